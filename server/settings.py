@@ -1,0 +1,167 @@
+"""The one settings object: config.toml < FLASHSERVE_* environment < CLI flags.
+
+Every key is documented with its default in config.example.toml. An unknown
+key or a bad value is a startup error that names it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import fields
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import ConfigDict, Field, ValidationError, field_validator
+from pydantic_settings import (
+    BaseSettings,
+    NoDecode,
+    PydanticBaseSettingsSource,
+    TomlConfigSettingsSource,
+)
+
+from engine.config import EngineConfig
+
+ENV_PREFIX = "FLASHSERVE_"
+CONFIG_ENV = ENV_PREFIX + "CONFIG"
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+
+
+class SettingsError(Exception):
+    """Bad configuration; the message names the key."""
+
+
+def parse_size(value: Any) -> int:
+    """'3GB', '512MiB', '300mb' or a plain number of bytes -> bytes."""
+    if isinstance(value, (int, float)):
+        return int(value)
+    match = _SIZE.match(str(value))
+    if not match:
+        raise ValueError(f"not a size: {value!r} (use e.g. 3GB, 512MB or bytes)")
+    number, unit = float(match.group(1)), (match.group(2) or "").lower()
+    scale = _UNITS[unit[:1]] if unit else 1
+    if "i" in unit:
+        scale = 1024 ** "bkmgt".index(unit[0]) if unit[0] != "b" else 1
+    return int(number * scale)
+
+
+class Settings(BaseSettings):
+    model_config = ConfigDict(extra="forbid", validate_default=True)  # type: ignore[assignment]
+
+    # Model and server
+    model: str | None = Field(None, description="model dir, GGUF file, prepared dir or HF repo id")
+    model_id: str | None = Field(None, description="name in /v1/models (default: from the path)")
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    default_max_tokens: int = Field(2048, ge=1, description="max_tokens when a request sets none")
+
+    # Layer streaming
+    residency: Literal["all", "fixed", "auto"] = "all"
+    resident_layers: int | None = Field(None, ge=0)
+    memory_budget: int | None = Field(None, description="bytes, e.g. 3GB")
+    residency_mode: Literal["max_tps", "balanced", "max_context"] = "balanced"
+    placement: Literal["first_n", "last_n", "interleaved"] = "first_n"
+    prefetch_depth: int = Field(1, ge=0, le=8)
+    shed_floor: int = Field(300_000_000, description="available memory under which to shed")
+
+    # MoE expert offload
+    expert_cache: str | None = Field(None, description="slots (2048) or bytes (3GB)")
+    expert_policy: Literal["lru", "lfu"] = "lru"
+    expert_threads: int = Field(8, ge=1, le=64)
+    expert_prefetch: Literal["none", "next-layer"] = "none"
+    record_routing: str | None = None
+
+    # Generation
+    max_batch: int = Field(8, ge=1, le=256)
+    prefill_step_size: int = Field(512, ge=16)
+    max_queue: int = Field(64, ge=1)
+
+    # Tools and reasoning
+    tool_parser: str | None = Field(None, description="override the parser chosen from the template")
+    reasoning_parser: str | None = Field(None, description="'none' turns reasoning parsing off")
+
+    # Production
+    api_key: str | None = None
+    api_key_file: str | None = None
+    allowed_origins: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    max_body_bytes: int = Field(4_000_000, ge=1024)
+    request_timeout: float = Field(600.0, gt=0, description="seconds per request")
+    shutdown_grace: float = Field(10.0, ge=0, description="seconds SIGTERM waits for generations")
+    log_prompts: bool = False
+
+    @field_validator("memory_budget", "shed_floor", "max_body_bytes", mode="before")
+    @classmethod
+    def _sizes(cls, value: Any) -> Any:
+        return None if value is None else parse_size(value)
+
+    @field_validator("allowed_origins", mode="before")
+    @classmethod
+    def _origins(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [o.strip() for o in value.split(",") if o.strip()]
+        return value
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        toml = TomlConfigSettingsSource(settings_cls, toml_file=_config_file_in_use)
+        return (init_settings, env_settings, toml)
+
+    def engine_config(self) -> EngineConfig:
+        names = {f.name for f in fields(EngineConfig)} - {"extra"}
+        values = {name: getattr(self, name) for name in names if hasattr(self, name)}
+        if self.residency == "all" and (self.resident_layers is not None or self.memory_budget):
+            values["residency"] = "fixed"
+        return EngineConfig(**values)
+
+
+# Set by load_settings for the duration of one Settings() construction.
+_config_file_in_use: Path | None = None
+
+
+def load_settings(config_file: str | Path | None = None, **cli: Any) -> Settings:
+    """Build Settings from config file < FLASHSERVE_* env < CLI values (None = not given)."""
+    global _config_file_in_use
+    path = config_file or os.environ.get(CONFIG_ENV)
+    if path is None and Path("config.toml").exists():
+        path = "config.toml"
+    if path is not None and not Path(path).is_file():
+        raise SettingsError(f"config file {path}: no such file")
+    _check_env_names()
+    _config_file_in_use = Path(path) if path else None
+    try:
+        return Settings(**{k: v for k, v in cli.items() if v is not None}, _env_prefix=ENV_PREFIX)
+    except ValidationError as exc:
+        raise SettingsError(_describe(exc, path)) from None
+    except (OSError, ValueError) as exc:  # unreadable or malformed TOML
+        raise SettingsError(f"{path or 'settings'}: {exc}") from None
+    finally:
+        _config_file_in_use = None
+
+
+def _check_env_names() -> None:
+    known = {ENV_PREFIX + name.upper() for name in Settings.model_fields} | {CONFIG_ENV}
+    for name in os.environ:
+        if name.startswith(ENV_PREFIX) and name not in known:
+            raise SettingsError(f"unknown setting in environment: {name}")
+
+
+def _describe(exc: ValidationError, path: Any) -> str:
+    lines = []
+    for err in exc.errors():
+        key = ".".join(str(p) for p in err["loc"]) or "?"
+        if err["type"] == "extra_forbidden":
+            where = f" in {path}" if path else ""
+            lines.append(f"unknown setting '{key}'{where}")
+        else:
+            lines.append(f"setting '{key}': {err['msg']} (got {err.get('input')!r})")
+    return "; ".join(lines)
