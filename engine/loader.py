@@ -13,7 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from .config import EngineConfig
 
@@ -36,6 +38,8 @@ class LoadedModel:
     context_length: int
     # Set by the streaming path; None when every weight is resident.
     streamer: Any = None
+    # Set when MoE experts are offloaded (engine/expert_offload.ExpertOffload).
+    experts: Any = None
 
 
 def default_model_path() -> Path:
@@ -80,6 +84,10 @@ def resolve(spec: str | None) -> Path | str:
 
 def load(config: EngineConfig) -> LoadedModel:
     target = resolve(config.model)
+    if config.expert_cache and not (isinstance(target, Path) and (target / "manifest.json").exists()):
+        raise ModelLoadError(
+            "--expert-cache needs a prepared model directory (run: flashserve prepare MODEL OUT)"
+        )
     if isinstance(target, Path) and target.is_file():
         from .gguf import load_gguf
 
@@ -90,6 +98,7 @@ def load(config: EngineConfig) -> LoadedModel:
         return load_prepared(target, config)
     else:
         model, tokenizer, model_config = _load_mlx_lm(target)
+        _float32_on_cpu(model)
     model_id = config.model_id or _model_id(target)
     return LoadedModel(
         model=model,
@@ -115,3 +124,28 @@ def _load_mlx_lm(target: Path | str) -> tuple[nn.Module, Any, dict]:
     except Exception as exc:  # mlx-lm raises many types; the user needs one line
         raise ModelLoadError(f"{target}: cannot load model: {exc}") from exc
     return model, tokenizer, model_config
+
+
+def compute_dtype() -> mx.Dtype:
+    """Float dtype for scales, biases, norms and unquantized weights.
+
+    The CPU backend runs float16/bfloat16 activations with quantized weights ~7x
+    slower than float32, and the activation dtype follows the weights, so on
+    CPU everything floating is float32. On a GPU float16 is native and halves
+    the memory of the non-packed tensors.
+    """
+    return mx.float32 if mx.default_device() == mx.cpu else mx.float16
+
+
+def _float32_on_cpu(model: nn.Module) -> None:
+    if compute_dtype() != mx.float32:
+        return
+    half = [
+        (name, value.astype(mx.float32))
+        for name, value in tree_flatten(model.parameters())
+        if value.dtype in (mx.float16, mx.bfloat16)
+    ]
+    if half:
+        model.load_weights(half, strict=False)
+        mx.eval(model.parameters())
+        log.info("cast %d half-precision tensors to float32 for the CPU backend", len(half))

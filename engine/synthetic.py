@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -129,12 +130,23 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
 }
 
 
-def build_tokenizer(out: Path) -> int:
+def build_tokenizer(
+    out: Path,
+    *,
+    chat_template: str | None = None,
+    extra_special_tokens: Sequence[str] = (),
+    bos_token: str | None = None,
+    eos_token: str = "<|im_end|>",
+) -> int:
     """Write a byte-level BPE tokenizer (tokenizer.json + config) to `out`.
 
     Returns the vocabulary size. Every byte is a token, so any text round-trips;
     a handful of merges make common English pieces single tokens.
+    `chat_template` replaces CHATML_TEMPLATE (tests use real models' templates);
+    `extra_special_tokens` come after SPECIAL_TOKENS, so existing ids keep
+    their values; `bos_token` / `eos_token` name tokens of either list.
     """
+    specials = SPECIAL_TOKENS + [t for t in extra_special_tokens if t not in SPECIAL_TOKENS]
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -143,7 +155,7 @@ def build_tokenizer(out: Path) -> int:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=320,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=specials,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -155,12 +167,12 @@ def build_tokenizer(out: Path) -> int:
     tok.train_from_iterator(corpus, trainer=trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        bos_token=None,
-        eos_token="<|im_end|>",
+        bos_token=bos_token,
+        eos_token=eos_token,
         pad_token="<|endoftext|>",
-        additional_special_tokens=SPECIAL_TOKENS[3:],
+        additional_special_tokens=specials[3:],
     )
-    fast.chat_template = CHATML_TEMPLATE
+    fast.chat_template = chat_template or CHATML_TEMPLATE
     fast.save_pretrained(str(out))
     return tok.get_vocab_size()
 
@@ -174,6 +186,10 @@ def make_model_dir(
     group_size: int = 64,
     seed: int = 0,
     dtype: mx.Dtype = mx.float32,
+    chat_template: str | None = None,
+    extra_special_tokens: Sequence[str] = (),
+    bos_token: str | None = None,
+    eos_token: str = "<|im_end|>",
 ) -> Path:
     """Write a random-weight model of `arch` to `out`; return the path.
 
@@ -184,11 +200,18 @@ def make_model_dir(
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    vocab = build_tokenizer(out)
+    vocab = build_tokenizer(
+        out,
+        chat_template=chat_template,
+        extra_special_tokens=extra_special_tokens,
+        bos_token=bos_token,
+        eos_token=eos_token,
+    )
     config = dict(ARCHITECTURES[arch])
     config.update(overrides or {})
     config["vocab_size"] = max(config.get("vocab_size", 0), vocab)
-    config["eos_token_id"] = SPECIAL_TOKENS.index("<|im_end|>")
+    specials = SPECIAL_TOKENS + [t for t in extra_special_tokens if t not in SPECIAL_TOKENS]
+    config["eos_token_id"] = specials.index(eos_token)
 
     mx.random.seed(seed)
     model_class, args_class = _get_classes(config)

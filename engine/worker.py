@@ -47,6 +47,8 @@ class WorkerStats:
     active: int = 0  # requests in the batch now
     batch_size: int = 0  # sequences in the last decode step
     steps: int = 0  # decode steps since start
+    kv_cache_bytes: int = 0  # KV cache and recurrent state of the batch
+    last_step_read_bytes: int = 0  # weights read from disk by the last step, for the batch
     last_prefill_tokens_per_s: float = 0.0
     last_decode_tokens_per_s: float = 0.0
 
@@ -88,6 +90,9 @@ class Engine:
         self._queue.put(None)
         self._thread.join(timeout)
         self.state = "stopped"
+        experts = self.loaded.experts if self.loaded is not None else None
+        if experts is not None:
+            experts.close()  # flushes the routing trace, stops the pread pool
 
     def stats_dict(self) -> dict:
         out = asdict(self.stats)
@@ -136,31 +141,36 @@ class Engine:
         while True:
             if not self._admit(batch, active, block=not active):
                 break
-            for uid in [u for u, a in active.items() if a.handle.cancelled]:
-                batch.remove([uid])
-                self._finish(active, uid, "cancelled")
-            if not active:
-                continue
-            self.stats.batch_size = len(active)
             try:
-                _, responses = batch.next()
+                self._step(batch, active)
             except Exception as exc:
                 # The step is shared, so every request in it fails; the worker goes on.
                 log.exception("batch step failed")
                 for uid in list(active):
                     self._fail(active, uid, exc)
                 batch = self._new_batch()
-                continue
-            self.stats.steps += 1
-            for response in responses:
-                self._on_token(batch, active, response)
-            for uid in [u for u, a in active.items() if a.failed]:
-                batch.remove([uid])
-                self._fail(active, uid, active[uid].failed)
-            if self.stats.steps % MEMORY_CHECK_INTERVAL == 0:
-                self._check_memory()
         for uid in list(active):
             self._finish(active, uid, "cancelled")
+
+    def _step(self, batch: BatchGenerator, active: dict[int, _Active]) -> None:
+        for uid in [u for u, a in active.items() if a.handle.cancelled]:
+            batch.remove([uid])
+            self._finish(active, uid, "cancelled")
+        if not active:
+            return
+        self.stats.batch_size = len(active)
+        read_before = self._bytes_read()
+        _, responses = batch.next()
+        self.stats.steps += 1
+        self.stats.last_step_read_bytes = self._bytes_read() - read_before
+        self.stats.kv_cache_bytes = batch.prompt_cache_nbytes
+        for response in responses:
+            self._on_token(batch, active, response)
+        for uid in [u for u, a in active.items() if a.failed]:
+            batch.remove([uid])
+            self._fail(active, uid, active[uid].failed)
+        if self.stats.steps % MEMORY_CHECK_INTERVAL == 0:
+            self._check_memory()
 
     def _admit(self, batch: BatchGenerator, active: dict[int, _Active], block: bool) -> bool:
         """Move waiting requests into the batch while slots are free; False on shutdown."""
@@ -234,12 +244,11 @@ class Engine:
         entry = active.pop(uid)
         self.stats.active = len(active)  # idle before the client hears the end
         request = entry.handle.request
-        tail = ""
-        if reason != "cancelled":
-            entry.detokenizer.finalize()
-            tail = entry.stops.feed(entry.detokenizer.last_segment) + entry.stops.flush()
-        else:
+        if reason == "cancelled":
             self.stats.requests_cancelled += 1
+        # Text held back for stop matching is the client's, even on a cut.
+        entry.detokenizer.finalize()
+        tail = entry.stops.feed(entry.detokenizer.last_segment) + entry.stops.flush()
         self._record(entry)
         entry.handle.push(
             DoneEvent(reason, len(request.prompt_tokens), entry.generated, text=tail)
@@ -256,6 +265,16 @@ class Engine:
         check = getattr(streamer, "check_memory", None)
         if check is not None:
             check()
+
+    def _bytes_read(self) -> int:
+        """Weight bytes read from disk so far: streamed layers and offloaded experts."""
+        loaded = self.loaded
+        total = 0
+        if loaded is not None and loaded.streamer is not None:
+            total += loaded.streamer.stats.bytes_read
+        if loaded is not None and loaded.experts is not None:
+            total += loaded.experts.snapshot().since_start.bytes_read
+        return total
 
     def _record(self, entry: _Active) -> None:
         end = time.perf_counter()

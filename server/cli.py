@@ -112,16 +112,16 @@ def _serve(args: argparse.Namespace) -> int:
     settings = _settings(args)
     _check_model(settings)
 
-    import uvicorn
-
     from engine.worker import Engine
 
     from .app import create_app
+    from .lifecycle import make_server
 
     engine = Engine(settings.engine_config())
     app = create_app(settings, engine)
-    server = uvicorn.Server(
-        uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level)
+    # Graceful shutdown (drain generations on SIGTERM, exit 0) and the access log.
+    server = make_server(
+        app, settings.host, settings.port, settings.log_level, settings.shutdown_grace
     )
 
     def stop_if_load_fails() -> None:

@@ -97,6 +97,23 @@ class Settings(BaseSettings):
     def _sizes(cls, value: Any) -> Any:
         return None if value is None else parse_size(value)
 
+    @field_validator("tool_parser")
+    @classmethod
+    def _tool_parser(cls, value: str | None) -> str | None:
+        from .tool_parsers import available
+
+        if value is not None and value != "auto" and value not in available():
+            raise ValueError(f"unknown tool parser {value!r} (known: auto, {', '.join(available())})")
+        return value
+
+    @field_validator("reasoning_parser")
+    @classmethod
+    def _reasoning_parser(cls, value: str | None) -> str | None:
+        from .reasoning import check_setting
+
+        check_setting(value)
+        return value
+
     @field_validator("allowed_origins", mode="before")
     @classmethod
     def _origins(cls, value: Any) -> Any:

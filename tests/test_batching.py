@@ -5,6 +5,7 @@ import asyncio
 import pytest
 
 from engine.config import EngineConfig
+from engine.prepare import prepare
 from engine.requests import DoneEvent, ErrorEvent, GenerationRequest, SamplingParams, TokenEvent
 from engine.synthetic import make_model_dir
 from engine.worker import Engine
@@ -19,10 +20,32 @@ def make_engine(path, **kw):
     return eng
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3_moe"])
+def engine_for(arch, residency, tmp_path_factory):
+    path = make_model_dir(tmp_path_factory.mktemp("batch") / arch, arch)
+    knobs = {}
+    if residency == "0%":
+        path = prepare(str(path), tmp_path_factory.mktemp("batch-prepared") / arch)
+        knobs = {"residency": "fixed", "resident_layers": 0}
+    eng = make_engine(path, max_batch=4, **knobs)
+    if residency == "0%":
+        assert eng.loaded.streamer.resident_layers == []
+    return eng
+
+
+@pytest.fixture(
+    scope="module",
+    params=[("llama", "resident"), ("qwen3_moe", "resident"), ("llama", "0%"), ("qwen3_moe", "0%")],
+    ids=lambda p: "-".join(p),
+)
 def engine(request, tmp_path_factory):
-    path = make_model_dir(tmp_path_factory.mktemp("batch") / request.param, request.param)
-    eng = make_engine(path, max_batch=4)
+    eng = engine_for(*request.param, tmp_path_factory)
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3_moe"])
+def streamed_engine(request, tmp_path_factory):
+    eng = engine_for(request.param, "0%", tmp_path_factory)
     yield eng
     eng.shutdown()
 
@@ -120,3 +143,24 @@ def test_failing_request_in_batch_fails_alone(engine):
     ok, bad = asyncio.run(together())
     assert isinstance(bad[-1], ErrorEvent) and "boom" in bad[-1].message
     assert tokens(ok) == tokens(solo) and isinstance(ok[-1], DoneEvent)
+
+
+def test_streamed_layers_load_once_per_step_for_the_batch(streamed_engine):
+    engine = streamed_engine
+    streamer = engine.loaded.streamer
+
+    def loads_for(n_requests):
+        before = streamer.stats.layer_loads
+
+        async def together():
+            return await asyncio.gather(
+                *(collect(engine, req(engine, QUESTIONS[i], 16)) for i in range(n_requests))
+            )
+
+        asyncio.run(together())
+        return streamer.stats.layer_loads - before
+
+    alone_loads = loads_for(1)
+    batch_loads = loads_for(3)
+    # three sequences share each step's reads: far fewer than three times the loads
+    assert batch_loads < 1.5 * alone_loads

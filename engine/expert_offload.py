@@ -1,0 +1,743 @@
+"""MoE expert offload: every SwitchGLU's experts live on SSD behind an ExpertCache.
+
+`install_expert_offload` replaces the `switch_mlp` (mlx-lm's SwitchGLU) of
+every MoE block with an `OffloadedSwitchGLU`. Routers, shared experts,
+attention, norms stay where the model (or the layer-streaming plan) keeps
+them. A call receives `(x, indices)` exactly like SwitchGLU.__call__ and:
+
+1. evaluates the router's indices (one sync per MoE layer: the ids decide what
+   to read, so this sync cannot be avoided) — together with the next MoE
+   layer's predicted experts when prefetch is on, so that costs no extra sync;
+2. looks every needed expert up in the cache; misses are read in parallel
+   (ExpertStore, pread on a thread pool), next-layer predictions start
+   reading right after them;
+3. runs the original SwitchGLU code (the module is kept as a template whose
+   expert tensors are swapped in for the call) once per needed expert, on the
+   token slots routed to it, with that expert's tensors as a one-expert stack
+   (`w[None]`: a view, no copy) — so the arithmetic is mlx-lm's own
+   gather_qmm / gather_mm on the same weights, and the output is bit-identical
+   to the resident model's (CPU gather_qmm computes every token slot on its
+   own; tests check the identity). `stacked = True` instead copies the needed
+   experts into one compact stack and makes a single call with remapped
+   indices (one copy of the experts per call; kept for comparison).
+
+When one call needs more experts than the cache holds (a long prompt's union
+with a small cache), the experts are processed in chunks that fit: each chunk
+is evaluated before the next chunk evicts it. No expert is ever skipped.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import logging
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import mlx.core as mx
+import numpy as np
+from mlx import nn
+
+from .expert_cache import (
+    CacheCapacityError,
+    Capacity,
+    ExpertCache,
+    Key,
+    fmt_bytes,
+    make_policy,
+)
+from .expert_stats import (
+    BLOCKED_SECONDS,
+    BYTES_READ,
+    CALLS,
+    DEMAND_BYTES,
+    DEMAND_SECONDS,
+    EVICTIONS,
+    HITS,
+    MISSES,
+    PREDICTED,
+    PREDICTED_ACTUAL,
+    PREDICTED_CORRECT,
+    PREFETCH_BYTES,
+    PREFETCH_HITS,
+    PREFETCH_READS,
+    PREFETCH_WASTED,
+    PREFETCH_WASTED_BYTES,
+    TOKENS,
+    CacheStats,
+    ExpertStats,
+)
+from .expert_store import ExpertStore, ReadResult, SwitchLayout, layouts_from_manifest
+
+log = logging.getLogger(__name__)
+
+ROUTER_NAMES = ("gate", "router")
+TOP_K_NAMES = ("top_k", "num_experts_per_tok", "n_activated_experts")
+
+
+def chunk_keys(keys: list[Key], capacity: Capacity, nbytes: dict[int, int]) -> list[list[Key]]:
+    """Split one call's needed keys (sorted) into runs that each fit the cache."""
+    chunks: list[list[Key]] = [[]]
+    size = 0
+    for key in keys:
+        b = nbytes[key[0]]
+        if chunks[-1] and not capacity.fits(len(chunks[-1]) + 1, size + b):
+            chunks.append([])
+            size = 0
+        chunks[-1].append(key)
+        size += b
+    return [c for c in chunks if c]
+
+
+class RoutingTrace:
+    """Writes (forward, token, layer, expert ids) as JSON lines."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # One trace per run: a new server start begins a new file.
+        self._file: TextIO | None = open(self.path, "w", buffering=1 << 16)  # noqa: SIM115
+
+    def write(self, forward: int, first_token: int, layer: int, ids: np.ndarray) -> None:
+        if self._file is None:
+            return
+        rows = ids.reshape(-1, ids.shape[-1]).tolist()
+        lines = [
+            json.dumps({"fwd": forward, "token": first_token + r, "layer": layer,
+                        "experts": sorted(row)}, separators=(",", ":"))
+            for r, row in enumerate(rows)
+        ]
+        self._file.write("\n".join(lines) + "\n")
+
+    def flush(self) -> None:
+        if self._file is not None:
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+@dataclass
+class _Cached:
+    buffer: mx.array  # the record as read (uint8); tensors are views of it
+    tensors: dict[str, mx.array]
+
+
+@dataclass
+class _Prefetch:
+    future: Future[ReadResult]
+    nbytes: int
+
+
+@dataclass
+class _LayerInfo:
+    layer: int
+    layout: SwitchLayout
+    template: nn.Module  # the original SwitchGLU, expert tensors swapped in per call
+    slots: list[tuple[Any, str, str]] = field(default_factory=list)  # (module, key, tensor name)
+    top_k: int = 0
+    router: nn.Module | None = None  # this layer's router (resident copy), for prefetch
+    next_layer: int | None = None
+
+
+class ExpertOffload:
+    """The expert cache of one model: store + cache + stats + prefetch + trace."""
+
+    def __init__(
+        self,
+        store: ExpertStore,
+        cache: ExpertCache,
+        layers: dict[int, _LayerInfo],
+        *,
+        prefetch: bool,
+        trace: RoutingTrace | None = None,
+        window_tokens: int = 256,
+    ) -> None:
+        self.store = store
+        self.cache = cache
+        self.layers = layers
+        self.prefetch = prefetch
+        self.trace = trace
+        self.order = sorted(layers)
+        self.first_layer = self.order[0]
+        self.nbytes = {layer: info.layout.record_bytes for layer, info in layers.items()}
+        self.stats = ExpertStats(self.order, window_tokens=window_tokens)
+        self._pending: dict[int, dict[int, _Prefetch]] = {}
+        self._predicted: dict[int, set[int]] = {}
+        self._forward = -1
+        self._token_base = 0
+        self._last_tokens = 0
+        self._closed = False
+        self.stacked = False  # see the module doc
+
+    # -- the call -------------------------------------------------------------------
+
+    def run(self, layer: int, x: mx.array, indices: mx.array) -> mx.array:
+        info = self.layers[layer]
+        indices = mx.stop_gradient(indices)
+        predicted = None
+        nxt = info.next_layer
+        if self.prefetch and nxt is not None and self.layers[nxt].router is not None:
+            predicted = self._predict(self.layers[nxt], x)
+            mx.eval(indices, predicted)
+        else:
+            mx.eval(indices)
+        ids = np.array(indices)
+        tokens = int(ids.size // ids.shape[-1])
+        if layer == self.first_layer:
+            self._forward += 1
+            self._token_base += self._last_tokens
+            self._last_tokens = tokens
+            self.stats.forward_started(tokens)
+        if self.trace is not None:
+            self.trace.write(self._forward, self._token_base, layer, ids)
+            if layer == self.order[-1]:
+                self.trace.flush()
+        needed = np.unique(ids)
+        self.stats.add_many(layer, {CALLS: 1, TOKENS: tokens})
+        self._score_prediction(layer, needed)
+        pending = self._pending.pop(layer, {})
+        keys = [(layer, int(e)) for e in needed]
+        used = {e for key in keys if key not in self.cache for e in (key[1],) if e in pending}
+        self._discard_unused(layer, pending, used)
+        chunks = chunk_keys(keys, self.cache.capacity, self.nbytes)
+        if len(chunks) == 1:
+            try:
+                weights = self._acquire(info, keys, pending, predicted)
+                return self._compute(info, x, indices, ids, needed, weights)
+            finally:
+                self.cache.pinned.clear()
+        return self._run_chunked(info, x, ids, chunks, pending, predicted)
+
+    def _predict(self, nxt: _LayerInfo, x: mx.array) -> mx.array:
+        out = nxt.router(x)
+        if isinstance(out, tuple):  # routers that return (indices, scores)
+            return out[0]
+        k = nxt.top_k
+        return mx.argpartition(-out, kth=k - 1, axis=-1)[..., :k]
+
+    def _score_prediction(self, layer: int, needed: np.ndarray) -> None:
+        guess = self._predicted.pop(layer, None)
+        if guess is None:
+            return
+        actual = {int(e) for e in needed}
+        self.stats.add_many(
+            layer,
+            {PREDICTED: len(guess), PREDICTED_CORRECT: len(guess & actual),
+             PREDICTED_ACTUAL: len(actual)},
+        )
+
+    def _acquire(
+        self,
+        info: _LayerInfo,
+        keys: list[Key],
+        pending: dict[int, _Prefetch],
+        predicted: mx.array | None,
+    ) -> dict[int, dict[str, mx.array]]:
+        """Make `keys` resident and pinned; return expert -> tensors. Issues the prefetch."""
+        layer = info.layer
+        cache = self.cache
+        cache.pinned.update(k for k in keys if k in cache)
+        missing = [k for k in keys if k not in cache and k[1] not in pending]
+        demand_start = time.perf_counter()
+        futures: dict[int, Future[ReadResult]] = {}
+        if missing:
+            for key, fut in zip(missing, self.store.submit_many(missing)):
+                futures[key[1]] = fut
+        if predicted is not None:
+            self._issue_prefetch(info.next_layer, predicted)
+
+        weights: dict[int, dict[str, mx.array]] = {}
+        counts = {HITS: 0, PREFETCH_HITS: 0, MISSES: 0, EVICTIONS: 0, BLOCKED_SECONDS: 0.0}
+        fresh: list[tuple[Key, _Cached, int]] = []
+        try:
+            for key in keys:
+                value = cache.lookup(key)
+                if value is not None:
+                    counts[HITS] += 1
+                    weights[key[1]] = value.tensors
+                    continue
+                if key[1] in futures:
+                    fut = futures[key[1]]
+                    counts[MISSES] += 1
+                else:
+                    fut = pending[key[1]].future
+                    counts[PREFETCH_HITS] += 1
+                waited = time.perf_counter()
+                result = fut.result()  # ExpertReadError names the layer and expert
+                counts[BLOCKED_SECONDS] += time.perf_counter() - waited
+                tensors = self.store.tensors(layer, result.buffer)
+                weights[key[1]] = tensors
+                fresh.append((key, _Cached(result.buffer, tensors), result.nbytes))
+        except BaseException:
+            for fut in futures.values():
+                fut.cancel()
+            raise
+        if missing:
+            demand_bytes = sum(self.nbytes[layer] for _ in missing)
+            self.stats.add_many(
+                layer,
+                {DEMAND_BYTES: demand_bytes, BYTES_READ: demand_bytes,
+                 DEMAND_SECONDS: time.perf_counter() - demand_start},
+            )
+        if fresh:
+            mx.eval([c.tensors for _, c, _ in fresh])  # views of the read buffers: no copy
+            # Inserted in key order so the policy sees the same access order as a
+            # trace replay does.
+            for key, cached, nbytes in fresh:
+                self._insert(key, cached, nbytes, counts)
+        self.stats.add_many(layer, counts)
+        return weights
+
+    def _insert(self, key: Key, cached: _Cached, nbytes: int, counts: dict) -> None:
+        evicted = self.cache.insert(key, cached, nbytes)
+        self.cache.pinned.add(key)
+        self.stats.resident(key[0], 1, nbytes)
+        for old in evicted:
+            self.stats.resident(old[0], -1, -self.nbytes[old[0]])
+            if old[0] == key[0]:
+                counts[EVICTIONS] += 1
+            else:
+                self.stats.add(old[0], EVICTIONS)
+
+    def _discard_unused(self, layer: int, pending: dict[int, _Prefetch], used: set[int]) -> None:
+        wasted = 0
+        wasted_bytes = 0
+        for expert, item in pending.items():
+            if expert in used:
+                continue
+            if item.future.cancel():  # never started: no bytes were read
+                self.stats.add_many(layer, {PREFETCH_READS: -1, PREFETCH_BYTES: -item.nbytes,
+                                            BYTES_READ: -item.nbytes})
+                continue
+            wasted += 1
+            wasted_bytes += item.nbytes
+        if wasted:
+            self.stats.add_many(layer, {PREFETCH_WASTED: wasted,
+                                        PREFETCH_WASTED_BYTES: wasted_bytes})
+
+    def _issue_prefetch(self, layer: int | None, predicted: mx.array) -> None:
+        if layer is None:
+            return
+        guess = {int(e) for e in np.unique(np.array(predicted))}
+        self._predicted[layer] = guess
+        pending = self._pending.setdefault(layer, {})
+        todo = [(layer, e) for e in sorted(guess) if (layer, e) not in self.cache and e not in pending]
+        if not todo:
+            return
+        for key, fut in zip(todo, self.store.submit_many(todo)):
+            pending[key[1]] = _Prefetch(fut, self.nbytes[layer])
+        total = len(todo) * self.nbytes[layer]
+        self.stats.add_many(layer, {PREFETCH_READS: len(todo), PREFETCH_BYTES: total,
+                                    BYTES_READ: total})
+
+    # -- compute --------------------------------------------------------------------
+
+    def _compute(
+        self,
+        info: _LayerInfo,
+        x: mx.array,
+        indices: mx.array,
+        ids: np.ndarray,
+        needed: np.ndarray,
+        weights: dict[int, dict[str, mx.array]],
+    ) -> mx.array:
+        if self.stacked:
+            lut = np.zeros(info.layout.num_experts, dtype=np.uint32)
+            lut[needed] = np.arange(len(needed), dtype=np.uint32)
+            remapped = mx.array(lut[ids]).astype(indices.dtype)
+            return self._call_template(info, x, remapped, [int(e) for e in needed], weights)
+        k = ids.shape[-1]
+        flat = ids.reshape(-1, k)
+        outs, positions = self._per_expert(info, x.reshape(-1, x.shape[-1]), flat, needed, weights)
+        order = np.argsort(np.concatenate(positions), kind="stable")
+        y = mx.concatenate(outs, axis=0)[mx.array(order.astype(np.uint32))]
+        return y.reshape(*ids.shape, y.shape[-1])
+
+    def _per_expert(
+        self,
+        info: _LayerInfo,
+        x2: mx.array,
+        flat: np.ndarray,
+        experts: np.ndarray,
+        weights: dict[int, dict[str, mx.array]],
+    ) -> tuple[list[mx.array], list[np.ndarray]]:
+        """Run the template once per expert on the token slots routed to it.
+
+        Each expert's tensors go in as a one-expert stack (`w[None]`, a view,
+        no copy) with indices all 0, so the arithmetic per slot is the same
+        gather_qmm / gather_mm as the resident SwitchGLU's.
+        """
+        k = flat.shape[-1]
+        outs, positions = [], []
+        for e in experts:
+            rows, cols = np.nonzero(flat == e)
+            sub_x = x2 if len(rows) == x2.shape[0] and (rows == np.arange(len(rows))).all() \
+                else x2[mx.array(rows.astype(np.uint32))]
+            zeros = mx.zeros((len(rows), 1), dtype=mx.uint32)
+            out = self._call_template(info, sub_x, zeros, [int(e)], weights)
+            outs.append(out.reshape(len(rows), -1))
+            positions.append(rows * k + cols)
+        return outs, positions
+
+    def _call_template(
+        self,
+        info: _LayerInfo,
+        x: mx.array,
+        remapped: mx.array,
+        experts: list[int],
+        weights: dict[int, dict[str, mx.array]],
+    ) -> mx.array:
+        for module, key, name in info.slots:
+            parts = [weights[e][name] for e in experts]
+            module[key] = parts[0][None] if len(parts) == 1 else mx.stack(parts)
+        try:
+            return info.template(x, remapped)
+        finally:
+            # The lazy graph keeps what it needs; the template must not pin the
+            # stacked copies past this call.
+            for module, key, _ in info.slots:
+                module[key] = _EMPTY
+
+    def _run_chunked(
+        self,
+        info: _LayerInfo,
+        x: mx.array,
+        ids: np.ndarray,
+        chunks: list[list[Key]],
+        pending: dict[int, _Prefetch],
+        predicted: mx.array | None,
+    ) -> mx.array:
+        k = ids.shape[-1]
+        flat = ids.reshape(-1, k)
+        x2 = x.reshape(-1, x.shape[-1])
+        outs, positions = [], []
+        for i, chunk in enumerate(chunks):
+            experts = np.array([e for _, e in chunk])
+            try:
+                weights = self._acquire(info, chunk, pending, predicted if i == 0 else None)
+                chunk_outs, chunk_positions = self._per_expert(info, x2, flat, experts, weights)
+                # Evaluate before the next chunk evicts these experts, so memory
+                # stays within the cache capacity.
+                mx.eval(chunk_outs)
+            finally:
+                self.cache.pinned.clear()
+            outs.extend(chunk_outs)
+            positions.extend(chunk_positions)
+        order = np.argsort(np.concatenate(positions), kind="stable")
+        y = mx.concatenate(outs, axis=0)[mx.array(order.astype(np.uint32))]
+        return y.reshape(*ids.shape, y.shape[-1])
+
+    # -- reporting --------------------------------------------------------------------
+
+    def snapshot(self) -> CacheStats:
+        total, gtotal, window, gwindow, resident = self.stats.copy()
+        cap = self.cache.capacity
+        occ_slots = int(resident[:, 0].sum())
+        occ_bytes = int(resident[:, 1].sum())
+        if cap.slots is not None:
+            fraction = occ_slots / cap.slots if cap.slots else 0.0
+        else:
+            fraction = occ_bytes / cap.nbytes if cap.nbytes else 0.0
+        return CacheStats(
+            policy=self.cache.policy.name,
+            prefetch="next-layer" if self.prefetch else "none",
+            capacity_slots=cap.slots,
+            capacity_bytes=cap.nbytes,
+            occupancy_slots=occ_slots,
+            occupancy_bytes=occ_bytes,
+            occupancy_fraction=fraction,
+            total_experts=sum(i.layout.num_experts for i in self.layers.values()),
+            expert_bytes=max(self.nbytes.values()),
+            moe_layers=list(self.order),
+            io_threads=self.store.threads,
+            window_tokens=self.stats.window_tokens,
+            uptime_s=self.stats.uptime(),
+            since_start=self.stats.view(total, gtotal, resident),
+            window=self.stats.view(window, gwindow, resident),
+        )
+
+    def reset_window(self) -> None:
+        self.stats.reset_window()
+
+    def reset(self, clear_cache: bool = False) -> None:
+        """Zero the counters (bench); optionally empty the cache. Worker thread only."""
+        if clear_cache:
+            self.cache.clear()
+            self.cache.pinned.clear()
+            self.stats.clear_resident()
+            for pending in self._pending.values():
+                for item in pending.values():
+                    item.future.cancel()
+            self._pending.clear()
+            self._predicted.clear()
+        self.stats.reset()
+
+    def preload(self) -> int:
+        """Read experts, layer by layer in id order, until the cache is full.
+
+        A warm start (and the bench's "every expert cached" row). Not counted
+        in the hit / miss statistics. Worker thread only; returns experts read.
+        """
+        todo: list[Key] = []
+        slots, size = len(self.cache), self.cache.nbytes
+        for layer in self.order:
+            for e in range(self.layers[layer].layout.num_experts):
+                key = (layer, e)
+                if key in self.cache:
+                    continue
+                if not self.cache.capacity.fits(slots + 1, size + self.nbytes[layer]):
+                    break
+                todo.append(key)
+                slots, size = slots + 1, size + self.nbytes[layer]
+        batch = 4 * self.store.threads
+        for i in range(0, len(todo), batch):
+            keys = todo[i : i + batch]
+            results = [f.result() for f in self.store.submit_many(keys)]
+            for key, result in zip(keys, results):
+                tensors = self.store.tensors(key[0], result.buffer)
+                mx.eval(tensors)
+                self.cache.insert(key, _Cached(result.buffer, tensors), result.nbytes)
+                self.stats.resident(key[0], 1, result.nbytes)
+        return len(todo)
+
+    def shrink(self, deficit: int) -> int:
+        """Memory-pressure hook (ResidencyManager): give back about `deficit` bytes.
+
+        Lowers the capacity (never under one layer's top-k) and evicts down to
+        it. Runs on the worker thread between tokens, when nothing is pinned.
+        """
+        cap = self.cache.capacity
+        floor_slots = max(i.top_k for i in self.layers.values())
+        per = max(self.nbytes.values())
+        want_bytes = max(self.cache.nbytes - int(deficit), floor_slots * per)
+        if cap.slots is not None:
+            new = Capacity(slots=max(floor_slots, min(cap.slots, want_bytes // per)))
+        else:
+            new = Capacity(nbytes=max(floor_slots * per, min(cap.nbytes or 0, want_bytes)))
+        self.cache.capacity = new
+        before = self.cache.nbytes
+        while len(self.cache) and not new.fits(len(self.cache), self.cache.nbytes):
+            victim = self.cache.policy.victim(set())
+            if victim is None:
+                break
+            self.cache.evict(victim)
+            self.stats.resident(victim[0], -1, -self.nbytes[victim[0]])
+            self.stats.add(victim[0], EVICTIONS)
+        freed = before - self.cache.nbytes
+        self.store.drop_free()
+        if freed:
+            mx.clear_cache()
+            log.warning("memory pressure: expert cache shrunk to %s, freed %.1f MB",
+                        new.describe(), freed / 1e6)
+        return freed
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.trace is not None:
+            self.trace.close()
+        self.store.close()
+
+
+_EMPTY = mx.zeros((0,))
+
+
+class OffloadedSwitchGLU(nn.Module):
+    """Drop-in for SwitchGLU: same call, experts fetched through the expert cache."""
+
+    def __init__(self, offload: ExpertOffload, layer: int) -> None:
+        super().__init__()
+        # Plain attributes (not module children): no parameters show up in the
+        # model tree, so nothing walks, saves, streams or quantizes the experts.
+        object.__setattr__(self, "_offload", offload)
+        object.__setattr__(self, "_layer", layer)
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        return self._offload.run(self._layer, x, indices)
+
+
+# -- installation -----------------------------------------------------------------------
+
+
+def _get(root: Any, path: str) -> Any:
+    obj = root
+    for part in path.split("."):
+        obj = obj[int(part)] if isinstance(obj, list) else obj[part]
+    return obj
+
+
+def _top_k(block: nn.Module, config: dict) -> int:
+    for name in TOP_K_NAMES:
+        value = getattr(block, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    value = config.get("num_experts_per_tok") or (config.get("text_config") or {}).get(
+        "num_experts_per_tok"
+    )
+    if not value:
+        raise CacheCapacityError("cannot tell how many experts a token uses (top-k)")
+    return int(value)
+
+
+def _router_copy(block: nn.Module, block_path: str, num_experts: int,
+                 layer_weights: dict[str, mx.array]) -> nn.Module | None:
+    """A resident copy of the block's router, with its weights read from the layer file.
+
+    The copy survives layer streaming releasing the block's own weights.
+    """
+    for name in ROUTER_NAMES:
+        router = block.get(name) if isinstance(block, dict) else None
+        if not isinstance(router, nn.Module):
+            continue
+        prefix = f"{block_path}.{name}."
+        params = {k[len(prefix):]: v for k, v in layer_weights.items() if k.startswith(prefix)}
+        if not params:
+            continue
+        weight = params.get("weight")
+        if weight is None or weight.shape[0] != num_experts:
+            continue
+        from mlx.utils import tree_unflatten
+
+        clone = copy.copy(router)
+        clone.update(tree_unflatten(list(params.items())))
+        mx.eval(clone.parameters())
+        return clone
+    return None
+
+
+def parse_capacity(spec: str | int | None) -> Capacity:
+    if spec is None:
+        raise CacheCapacityError("no expert cache size given")
+    return Capacity.parse(spec)
+
+
+def install_expert_offload(
+    model: nn.Module,
+    root: str | Path,
+    manifest: dict,
+    *,
+    capacity: str | int,
+    policy: str = "lru",
+    threads: int = 8,
+    prefetch: str = "none",
+    record_routing: str | None = None,
+    model_config: dict | None = None,
+    verify: bool = True,
+    window_tokens: int = 256,
+    stacked: bool = False,
+) -> ExpertOffload:
+    """Replace every SwitchGLU of a prepared model with an OffloadedSwitchGLU.
+
+    `model` is the mlx-lm model built from the prepared directory `root`
+    (experts may or may not be loaded: their tensors are dropped either way).
+    Raises CacheCapacityError (a ValueError) for a capacity smaller than one
+    layer's top-k or an unknown policy / prefetch mode.
+    """
+    if prefetch not in ("none", "next-layer"):
+        raise CacheCapacityError(f"expert prefetch {prefetch!r}: choose none or next-layer")
+    root = Path(root)
+    cap = parse_capacity(capacity)
+    make_policy(policy)  # an unknown name fails before any work
+    layouts = layouts_from_manifest(root, manifest)
+    if not layouts:
+        raise CacheCapacityError("--expert-cache needs an MoE model; this one has no experts")
+    model_config = model_config or {}
+    infos: dict[int, _LayerInfo] = {}
+    blocks: dict[int, tuple[nn.Module, str]] = {}
+    for layer, layout in sorted(layouts.items()):
+        template = _get(model, layout.path)
+        block_path = layout.path.rsplit(".", 1)[0]
+        block = _get(model, block_path)
+        info = _LayerInfo(layer=layer, layout=layout, template=template,
+                          top_k=_top_k(block, model_config))
+        for spec in layout.tensors:
+            owner_path, _, key = spec.name.rpartition(".")
+            owner = _get(template, owner_path) if owner_path else template
+            info.slots.append((owner, key, spec.name))
+        infos[layer] = info
+        blocks[layer] = (block, block_path)
+
+    for layer, info in infos.items():
+        need_slots = info.top_k
+        need_bytes = info.top_k * info.layout.record_bytes
+        if not cap.fits(need_slots, need_bytes):
+            raise CacheCapacityError(
+                f"expert cache of {cap.describe()} is smaller than one layer's top-k: layer "
+                f"{layer} routes each token to {info.top_k} experts of "
+                f"{fmt_bytes(info.layout.record_bytes)} each; use --expert-cache "
+                f"{need_slots} (slots) or {fmt_bytes(need_bytes)} or more"
+            )
+
+    order = sorted(infos)
+    for a, b in itertools.pairwise(order):
+        infos[a].next_layer = b
+    if prefetch == "next-layer":
+        by_index = {entry["index"]: entry for entry in manifest["layers"]}
+        for layer in order[1:]:
+            block, block_path = blocks[layer]
+            weights = mx.load(str(root / by_index[layer]["file"]))
+            infos[layer].router = _router_copy(
+                block, block_path, infos[layer].layout.num_experts, weights
+            )
+            del weights
+            if infos[layer].router is None:
+                log.warning("layer %d: no router found; its experts are not prefetched", layer)
+
+    store = ExpertStore(layouts, threads=threads, verify=verify)
+    # LFU's half-life is counted in decoded tokens: one token uses top-k experts per layer.
+    cache_policy = make_policy(policy, accesses_per_token=sum(i.top_k for i in infos.values()))
+    cache = ExpertCache(cap, cache_policy, on_evict=lambda _key, value: store.recycle(value.buffer))
+    trace = RoutingTrace(record_routing) if record_routing else None
+    offload = ExpertOffload(store, cache, infos, prefetch=prefetch == "next-layer",
+                            trace=trace, window_tokens=window_tokens)
+    offload.stacked = stacked
+    for layer, info in infos.items():
+        # Drop the stacked expert tensors: from now on they come from the cache.
+        for module, key, _ in info.slots:
+            module[key] = _EMPTY
+        block, _ = blocks[layer]
+        attr = info.layout.path.rsplit(".", 1)[1]
+        block[attr] = OffloadedSwitchGLU(offload, layer)
+    total = sum(i.layout.num_experts for i in infos.values())
+    log.info(
+        "expert offload: %d MoE layers, %d experts of %s on disk, cache %s (%s), "
+        "%d I/O threads, prefetch %s",
+        len(infos), total, fmt_bytes(max(offload.nbytes.values())), cap.describe(),
+        cache_policy.name, threads, prefetch,
+    )
+    return offload
+
+
+
+
+def offload_from_config(
+    model: nn.Module, root: str | Path, manifest: dict, config: Any, model_config: dict
+) -> ExpertOffload:
+    """install_expert_offload with the knobs of an EngineConfig; ModelLoadError on bad input."""
+    from .loader import ModelLoadError
+
+    try:
+        return install_expert_offload(
+            model,
+            root,
+            manifest,
+            capacity=config.expert_cache,
+            policy=config.expert_policy,
+            threads=int(config.expert_threads),
+            prefetch=config.expert_prefetch,
+            record_routing=config.record_routing,
+            model_config=model_config,
+            verify=bool(config.extra.get("expert_verify", True)),
+            window_tokens=int(config.extra.get("expert_stats_window", 256)),
+            stacked=config.extra.get("expert_compute", "per-expert") == "stacked",
+        )
+    except (CacheCapacityError, ValueError, OSError) as exc:
+        raise ModelLoadError(f"expert cache: {exc}") from exc

@@ -1,0 +1,50 @@
+"""The FastAPI application: shared state, error handlers, one router per resource.
+
+The engine's worker thread starts with the app (the model loads there, so
+/health answers 503 while it loads) and stops with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from engine.worker import Engine
+
+from .errors import install_error_handlers
+from .production import install_production
+from .routes import cache, chat, completions, health, memory, models
+from .settings import Settings
+
+log = logging.getLogger(__name__)
+
+VERSION = "0.1.0"
+
+
+def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
+    engine = engine if engine is not None else Engine(settings.engine_config())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        try:
+            yield
+        finally:
+            # Joining the worker blocks; keep it off the event loop.
+            await asyncio.to_thread(engine.shutdown)
+
+    app = FastAPI(title="flashserve", version=VERSION, lifespan=lifespan)
+    app.state.settings = settings
+    app.state.engine = engine
+    app.state.started_at = int(time.time())
+    install_error_handlers(app)
+    for module in (health, models, chat, completions, memory, cache):
+        app.include_router(module.router)
+    # API key, CORS, body limit, request ids, /metrics, time limit, shutdown drain.
+    install_production(app, settings, engine)
+    return app

@@ -1,0 +1,116 @@
+"""GET /cache/stats: the MoE expert cache, for dashboards that poll every second.
+
+Also served at /v1/cache/stats. The engine copies its counters under a lock
+held only for a small numpy copy, so a poll never waits on generation and
+never runs MLX. `POST /cache/stats/reset` empties the window (the last-N-tokens
+view); counters since start are never reset. `?layers=false` leaves out the
+per-layer lists for the cheapest poll.
+
+A model without an expert cache answers 200 with `enabled: false`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from fastapi import APIRouter, Depends, Query
+from pydantic import BaseModel, Field
+
+from engine.loader import LoadedModel
+
+from ..deps import ready_model
+
+router = APIRouter(tags=["cache"])
+
+
+class LayerCacheStats(BaseModel):
+    layer: int = Field(description="decoder layer index")
+    hits: int = Field(description="needed experts found in the cache")
+    prefetch_hits: int = Field(description="needed experts found among next-layer prefetches")
+    misses: int = Field(description="needed experts read from disk on demand")
+    hit_rate: float = Field(description="hits / (hits + prefetch_hits + misses)")
+    served_without_demand_read: float = Field(description="(hits + prefetch_hits) / accesses")
+    evictions: int
+    bytes_read: int = Field(description="bytes read from disk: demand + prefetch")
+    read_gb_per_s: float = Field(description="demand bytes / wall time of demand reads")
+    blocked_s: float = Field(description="seconds the generation waited on expert I/O")
+    prefetch_precision: float | None = Field(description="predicted and needed / predicted")
+    prefetch_recall: float | None = Field(description="predicted and needed / needed")
+    prefetch_reads: int
+    prefetch_bytes: int
+    prefetch_wasted: int = Field(description="prefetched experts that were not needed")
+    prefetch_wasted_bytes: int
+    resident_experts: int
+    resident_bytes: int
+
+
+class CacheStatsView(BaseModel):
+    tokens: int = Field(description="tokens that went through the MoE layers")
+    forwards: int = Field(description="forward passes (a prefill chunk or a decode step)")
+    token_seconds: float = Field(description="wall time between forwards, idle gaps excluded")
+    hits: int
+    prefetch_hits: int
+    misses: int
+    hit_rate: float
+    served_without_demand_read: float
+    evictions: int
+    bytes_read: int
+    bytes_read_per_token: float
+    read_gb_per_s: float
+    blocked_s: float
+    io_wait_share: float = Field(description="blocked_s / token_seconds")
+    prefetch_precision: float | None
+    prefetch_recall: float | None
+    prefetch_reads: int
+    prefetch_bytes: int
+    prefetch_wasted: int
+    prefetch_wasted_bytes: int
+    layers: list[LayerCacheStats] | None = None
+
+
+class CacheStatsResponse(BaseModel):
+    enabled: bool = Field(description="false: this model runs without an expert cache")
+    policy: str | None = None
+    prefetch: str | None = None
+    capacity_slots: int | None = None
+    capacity_bytes: int | None = None
+    occupancy_slots: int | None = None
+    occupancy_bytes: int | None = None
+    occupancy_fraction: float | None = None
+    total_experts: int | None = None
+    expert_bytes: int | None = None
+    moe_layers: list[int] | None = None
+    io_threads: int | None = None
+    window_tokens: int | None = Field(None, description="N of the window view")
+    uptime_s: float | None = None
+    since_start: CacheStatsView | None = None
+    window: CacheStatsView | None = None
+
+
+def stats_response(loaded: LoadedModel, layers: bool = True) -> CacheStatsResponse:
+    offload = getattr(loaded, "experts", None)
+    if offload is None:
+        return CacheStatsResponse(enabled=False)
+    data = asdict(offload.snapshot())
+    if not layers:
+        data["since_start"]["layers"] = None
+        data["window"]["layers"] = None
+    return CacheStatsResponse(enabled=True, **data)
+
+
+@router.get("/cache/stats", response_model=CacheStatsResponse, response_model_exclude_none=False)
+@router.get("/v1/cache/stats", response_model=CacheStatsResponse, include_in_schema=False)
+async def cache_stats(
+    loaded: LoadedModel = Depends(ready_model),
+    layers: bool = Query(True, description="include per-layer counters"),
+) -> CacheStatsResponse:
+    return stats_response(loaded, layers)
+
+
+@router.post("/cache/stats/reset", response_model=CacheStatsResponse)
+@router.post("/v1/cache/stats/reset", response_model=CacheStatsResponse, include_in_schema=False)
+async def reset_window(loaded: LoadedModel = Depends(ready_model)) -> CacheStatsResponse:
+    offload = getattr(loaded, "experts", None)
+    if offload is not None:
+        offload.reset_window()
+    return stats_response(loaded, layers=False)

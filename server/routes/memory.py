@@ -1,0 +1,67 @@
+"""GET /memory: process, system and MLX memory, and where the layers are.
+
+Cheap enough to poll every second: it reads counters and array sizes, never
+runs MLX work, and never waits on the worker.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends
+from pydantic import BaseModel, Field
+
+from engine.loader import LoadedModel
+from engine.memory import memory_report
+from engine.worker import Engine
+
+from ..deps import get_engine, ready_model
+
+router = APIRouter(tags=["memory"])
+
+
+class BatchView(BaseModel):
+    size: int = Field(description="sequences in the last decode step")
+    active: int = Field(description="requests in the batch now")
+    queued: int = Field(description="requests waiting for a batch slot")
+    steps: int = Field(description="decode steps since start")
+    last_step_read_bytes: int = Field(
+        description="weight bytes read from disk (layers + experts) by the last decode step; "
+        "one read serves the whole batch"
+    )
+    last_step_read_bytes_per_sequence: float
+
+
+class MemoryResponse(BaseModel):
+    rss_bytes: int = Field(description="resident set size of the server process")
+    system_total_bytes: int
+    system_available_bytes: int = Field(description="what can be allocated without swapping")
+    mlx_active_bytes: int
+    mlx_peak_bytes: int
+    mlx_cache_bytes: int
+    num_layers: int
+    resident_layers: list[int]
+    streamed_layers: list[int]
+    resident_weight_bytes: int = Field(description="non-layer + resident layer weights")
+    non_layer_bytes: int
+    streaming_buffer_bytes: int = Field(description="streamed-layer weights in flight")
+    kv_cache_bytes: int = Field(description="KV cache and recurrent state of active requests")
+    shedding_events: list[dict] = Field(description="resident layers shed under pressure")
+    plan: dict | None = Field(description="the residency plan and its inputs; null: all resident")
+    streaming: dict | None = Field(description="streamed-layer counters; null: all resident")
+    batch: BatchView
+
+
+@router.get("/memory", response_model=MemoryResponse)
+def get_memory(
+    loaded: LoadedModel = Depends(ready_model), engine: Engine = Depends(get_engine)
+) -> MemoryResponse:
+    stats = engine.stats
+    report = memory_report(loaded, kv_cache_bytes=stats.kv_cache_bytes)
+    batch = BatchView(
+        size=stats.batch_size,
+        active=stats.active,
+        queued=engine.stats_dict()["queued"],
+        steps=stats.steps,
+        last_step_read_bytes=stats.last_step_read_bytes,
+        last_step_read_bytes_per_sequence=stats.last_step_read_bytes / max(stats.batch_size, 1),
+    )
+    return MemoryResponse(**report.to_dict(), batch=batch)

@@ -1,0 +1,85 @@
+"""Test-only helpers: tiny models with real chat templates, and scripted output.
+
+A tiny random-weight model says nothing useful, so tests script it: an
+in-process server whose app carries `test_logits_hook` adds a ForcedTokens
+logits processor to a request that sends the header `x-test-script` (a JSON
+string). The model then emits exactly that text, token by token, through the
+real generation, detokenization and parsing path. Nothing outside the test
+suite sets the hook, so a real server never honours the header.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from engine.constraints import ForcedTokens
+from engine.synthetic import make_model_dir
+from engine.worker import Engine
+
+from .conftest import Server, serve_app
+
+FIXTURES = Path(__file__).parent / "fixtures"
+SCRIPT_HEADER = "x-test-script"
+
+MISTRAL_TOKENS = [
+    "<s>",
+    "</s>",
+    "[INST]",
+    "[/INST]",
+    "[TOOL_CALLS]",
+    "[AVAILABLE_TOOLS]",
+    "[/AVAILABLE_TOOLS]",
+    "[TOOL_RESULTS]",
+    "[/TOOL_RESULTS]",
+]
+
+TEMPLATES: dict[str, dict[str, Any]] = {
+    "qwen3": {"chat_template": "qwen3.jinja"},
+    "hermes": {"chat_template": "hermes2pro_tool_use.jinja", "bos_token": "<|endoftext|>"},
+    "mistral": {
+        "chat_template": "mistral_v03.jinja",
+        "extra_special_tokens": MISTRAL_TOKENS,
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+    },
+}
+
+
+def make_templated_model(out: Path, family: str) -> Path:
+    """A tiny llama whose tokenizer carries `family`'s real chat template."""
+    spec = dict(TEMPLATES[family])
+    spec["chat_template"] = (FIXTURES / spec["chat_template"]).read_text()
+    return make_model_dir(out, "llama", **spec)
+
+
+def script(text: str) -> dict[str, dict[str, str]]:
+    """openai SDK kwargs that make the scripted model emit `text`."""
+    return {"extra_headers": {SCRIPT_HEADER: json.dumps(text)}}
+
+
+def _hook(request: Any, tokenizer: Any) -> list[Any]:
+    raw = request.headers.get(SCRIPT_HEADER)
+    if raw is None:
+        return []
+    ids = tokenizer.encode(json.loads(raw), add_special_tokens=False)
+    return [ForcedTokens(ids, min(tokenizer.eos_token_ids))]
+
+
+@contextlib.contextmanager
+def scripted_server(model: Path | None, **settings: Any) -> Iterator[Server]:
+    """A real uvicorn server in this process, with the scripting hook installed."""
+    from server.app import create_app
+    from server.settings import load_settings
+
+    loaded = load_settings(model=str(model) if model else None, **settings)
+    engine = Engine(loaded.engine_config())
+    app = create_app(loaded, engine)
+    app.state.test_logits_hook = _hook
+    with serve_app(app) as server:
+        if not engine.wait_ready(120):
+            raise RuntimeError(f"model failed to load: {engine.load_error}")
+        yield server

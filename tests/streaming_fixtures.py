@@ -1,0 +1,64 @@
+"""Model builders shared by the streaming tests (prepare, streaming, residency).
+
+Each model is built and prepared once per test session, whichever test file
+asks first: pytest would build a fixture imported into two modules twice, so
+the builds are memoized here.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from engine.prepare import prepare
+from engine.synthetic import make_model_dir
+
+_lock = threading.Lock()
+_built: dict[str, Path] = {}
+
+# ~300 MB float32 llama: large enough that a layer (~24 MB) dwarfs the noise
+# of the MLX runtime when measuring peak memory.
+BIG_LLAMA = {
+    "hidden_size": 1024,
+    "num_hidden_layers": 12,
+    "intermediate_size": 1536,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+}
+
+
+def _memo(factory: pytest.TempPathFactory, key: str, build) -> Path:
+    with _lock:
+        if key not in _built:
+            _built[key] = build(factory.mktemp(key.replace("/", "_")))
+        return _built[key]
+
+
+def source_model(factory: pytest.TempPathFactory, arch: str) -> Path:
+    """A tiny random mlx-lm model directory of `arch`."""
+    return _memo(factory, f"src-{arch}", lambda d: make_model_dir(d, arch))
+
+
+def prepared_model(factory: pytest.TempPathFactory, arch: str) -> Path:
+    """The prepared (streaming layout) form of source_model(arch)."""
+    src = source_model(factory, arch)
+    return _memo(factory, f"prep-{arch}", lambda d: prepare(str(src), d, force=True))
+
+
+def big_llama(factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(source, prepared) of the ~300 MB llama."""
+    src = _memo(factory, "src-big", lambda d: make_model_dir(d, "llama", overrides=BIG_LLAMA))
+    prep = _memo(factory, "prep-big", lambda d: prepare(str(src), d, force=True))
+    return src, prep
+
+
+def default_gguf_prepared(factory: pytest.TempPathFactory) -> Path:
+    """The default SmolLM2 GGUF, prepared; skips when the GGUF loader is missing."""
+    pytest.importorskip("engine.gguf", reason="engine/gguf.py not available yet")
+    from engine.loader import default_model_path
+
+    default_model_path()  # ModelLoadError (a failure) if the wheel is missing
+    return _memo(factory, "prep-gguf", lambda d: prepare(None, d, force=True))

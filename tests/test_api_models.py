@@ -1,0 +1,63 @@
+"""The server on other models: a tiny MoE (qwen3_moe) and the bundled default
+(SmolLM2-135M-Instruct GGUF), each served by `flashserve serve` in a subprocess."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from engine.loader import ModelLoadError, default_model_path
+
+from .conftest import NO_EOS, Server, start_server, stop_server
+
+
+@pytest.fixture(scope="module")
+def moe_server(tiny_moe_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    server = start_server(tiny_moe_dir, tmp_path_factory.mktemp("moe-server"))
+    yield server
+    stop_server(server)
+
+
+@pytest.fixture(scope="module")
+def default_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    try:
+        default_model_path()
+    except ModelLoadError as exc:
+        pytest.skip(f"default model not installed: {exc}")
+    # No --model: the server picks the bundled default itself.
+    server = start_server(None, tmp_path_factory.mktemp("default-server"))
+    yield server
+    stop_server(server)
+
+
+def test_moe_model_streams_and_answers(moe_server: Server) -> None:
+    client = moe_server.client()
+    model = moe_server.model_id
+    assert model == "tiny-qwen3-moe"
+    kwargs = {
+        "model": model,
+        "messages": [{"role": "user", "content": "Hello"}],
+        "temperature": 0,
+        "max_tokens": 12,
+        "logit_bias": NO_EOS,
+    }
+    whole = client.chat.completions.create(**kwargs)
+    assert whole.usage.completion_tokens == 12
+    chunks = list(client.chat.completions.create(stream=True, **kwargs))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == whole.choices[0].message.content
+
+
+def test_default_model_knows_the_capital_of_france(default_server: Server) -> None:
+    client = default_server.client()
+    response = client.chat.completions.create(
+        model=default_server.model_id,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        temperature=0,
+        max_tokens=40,
+    )
+    answer = response.choices[0].message.content
+    assert "Paris" in answer, answer
+    assert response.choices[0].finish_reason in ("stop", "length")

@@ -1,0 +1,125 @@
+"""`flashserve bench --quick`: the real command, in a subprocess, on tiny models.
+
+A smoke test of the benchmark's plumbing, not of its numbers (the machine is
+shared): every section runs, every table prints with numbers where numbers
+belong, and the targets block reports a ratio for each target.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .conftest import REPO, _clean_env
+
+TIMEOUT_S = 90
+
+
+def _tables(output: str) -> dict[str, list[dict[str, str]]]:
+    """Markdown tables printed by the bench: title line -> rows as {header: cell}."""
+    tables: dict[str, list[dict[str, str]]] = {}
+    lines = output.splitlines()
+    for i, line in enumerate(lines):
+        if not line.startswith("| ") or i == 0 or lines[i - 1].startswith("|"):
+            continue
+        header = [c.strip() for c in line.strip("|").split("|")]
+        rows = []
+        for row_line in lines[i + 2 :]:
+            if not row_line.startswith("|"):
+                break
+            rows.append(dict(zip(header, (c.strip() for c in row_line.strip("|").split("|")))))
+        tables[lines[i - 1]] = rows
+    return tables
+
+
+def _number(cell: str) -> float:
+    return float(cell)  # raises on anything that is not a number
+
+
+def test_quick_bench_prints_every_section(tmp_path: Path) -> None:
+    cmd = [
+        sys.executable,
+        "-m",
+        "server.cli",
+        "bench",
+        "--",
+        "--quick",
+        "--sections",
+        "layers,experts,batch",
+        "--tokens",
+        "4",
+        "--work-dir",
+        str(tmp_path),
+    ]
+    started = time.monotonic()
+    proc = subprocess.run(
+        cmd,
+        cwd=REPO,
+        env=_clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        check=False,
+    )
+    elapsed = time.monotonic() - started
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert elapsed < TIMEOUT_S
+    tables = _tables(proc.stdout)
+
+    layer_tables = {t: rows for t, rows in tables.items() if t.startswith("Layer streaming:")}
+    assert len(layer_tables) == 2, proc.stdout  # the default model and a random llama
+    for title, rows in layer_tables.items():
+        names = [(r["configuration"], r["prefetch"]) for r in rows]
+        assert names[0] == ("plain mlx-lm", "-")
+        for pct in ("100%", "75%", "50%", "25%", "0%"):
+            assert (f"streaming {pct}", "on") in names and (f"streaming {pct}", "off") in names
+        for row in rows:
+            assert _number(row["tokens/s"]) > 0, (title, row)
+            assert _number(row["peak MiB"]) > 0, (title, row)
+            disk = row["disk read MiB/pass"]
+            assert disk == "-" or _number(disk) >= 0  # "-" where /proc/self/io is missing
+            if row["configuration"] in ("plain mlx-lm", "streaming 100%"):
+                assert row["I/O bound tok/s"] == "-"
+            else:
+                assert _number(row["streamed MiB/token"]) > 0
+                assert _number(row["I/O bound tok/s"]) > 0
+                assert _number(row["x I/O bound"]) > 0
+        # Fewer resident layers stream more bytes per token.
+        streamed = [_number(r["streamed MiB/token"]) for r in rows if r["prefetch"] == "on"]
+        assert streamed == sorted(streamed) and streamed[0] == 0 < streamed[-1]
+
+    layer_targets = proc.stdout.split("Layer streaming targets")[1].split("\n\n")[0]
+    targets = re.findall(
+        r"^  .*: ([0-9.]+)x \(target >= ([0-9.]+)x\) (met|MISSED)$", layer_targets, re.MULTILINE
+    )
+    assert len(targets) == 2 * 5, proc.stdout  # five targets per model
+    assert all(float(got) > 0 for got, _, _ in targets)
+
+    experts = [rows for t, rows in tables.items() if t.startswith("MoE expert cache")]
+    assert len(experts) == 1, proc.stdout
+    assert len(experts[0]) >= 2
+    assert all(_number(row["tokens/s"]) > 0 for row in experts[0])
+
+    batch = [rows for t, rows in tables.items() if t.startswith("Batched decode")]
+    assert len(batch) == 1, proc.stdout
+    seen = {(r["configuration"], r["streams"]) for r in batch[0]}
+    for config in ("resident", "0% residency", "25% expert cache"):
+        for streams in ("1", "2", "4", "8"):
+            assert (config, streams) in seen
+    for row in batch[0]:
+        assert _number(row["tokens/s"]) > 0
+        if row["streams"] == "1":
+            assert _number(row["x one stream"]) == 1.0
+        # Streamed: a step loads each of the model's 4 layers once for the whole batch
+        # (twice when it also prefills a newly admitted prompt), not once per stream.
+        if row["configuration"] == "0% residency":
+            assert 4 <= _number(row["layer loads/step"]) <= 8, row
+    batch_targets = re.findall(
+        r"^  (\d) streams / 1 stream: ([0-9.]+)x \(target >= ([0-9.]+)x\)",
+        proc.stdout,
+        re.MULTILINE,
+    )
+    assert [t[0] for t in batch_targets] == ["4", "8"], proc.stdout
