@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import gc
 import json
-import statistics
 import logging
+import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -160,6 +160,7 @@ def _decode(loaded: Any, text: str, tokens: int, on_first: Any = None) -> float:
 
 def _release(loaded: Any) -> None:
     if getattr(loaded, "experts", None) is not None:
+        loaded.experts.flush()  # counts and traces the slab layers' last tokens
         loaded.experts.close()
     del loaded
     gc.collect()
@@ -215,47 +216,50 @@ def run(work_dir: Path, *, tokens: int = 32, quick: bool = False) -> dict:
     ]
     log.info("paired resident / 100%% cache tokens/s: %s", pairs)
 
-    for fraction in FRACTIONS:
+    configs = [(f, p, "lru") for f in FRACTIONS for p in ("none", "next-layer")]
+    configs.append((FRACTIONS[-1], "none", "lfu"))  # the frequency-aware policy where LRU cycles
+    for fraction, prefetch, policy in configs:
         slots = max(top_k, round(fraction * total))
-        for prefetch in ("none", "next-layer"):
-            record_trace = fraction == 1.0 and prefetch == "none"
-            config = EngineConfig(
-                model=str(prepared),
-                expert_cache=str(slots),
-                expert_prefetch=prefetch,
-                record_routing=str(trace) if record_trace else None,
-            )
-            drop_page_cache(prepared)
-            loaded = load(config)
-            offload = loaded.experts
-            if fraction == 1.0:
-                offload.preload()  # every expert cached: the steady state of a full cache
-            _decode(loaded, WARM_PROMPT, warm_tokens)
-            offload.reset()
-            drop_page_cache(prepared)
-            tps = _decode(loaded, PROMPT, tokens, on_first=offload.reset)
-            view = offload.snapshot().since_start
-            per_token = view.bytes_read / max(view.forwards, 1)
-            rows.append(Row(
-                name=f"{fraction:.0%} cache",
-                cache_fraction=fraction,
-                cache_slots=slots,
-                prefetch=prefetch,
-                tokens_per_s=tps,
-                hit_rate=view.hit_rate,
-                served_from_memory=view.served_without_demand_read,
-                io_wait_share=view.blocked_s * tps / max(view.forwards, 1),
-                bytes_per_token=per_token,
-                read_gb_per_s=view.read_gb_per_s or None,
-                precision=view.prefetch_precision,
-                recall=view.prefetch_recall,
-                wasted_bytes_per_token=view.prefetch_wasted_bytes / max(view.forwards, 1),
-            ))
-            if record_trace:
-                for text in TRACE_PROMPTS:
-                    _decode(loaded, text, tokens)
-            _release(loaded)
-            log.info("expert bench: %s", rows[-1])
+        record_trace = fraction == 1.0 and prefetch == "none"
+        config = EngineConfig(
+            model=str(prepared),
+            expert_cache=str(slots),
+            expert_prefetch=prefetch,
+            expert_policy=policy,
+            record_routing=str(trace) if record_trace else None,
+        )
+        drop_page_cache(prepared)
+        loaded = load(config)
+        offload = loaded.experts
+        if fraction == 1.0:
+            offload.preload()  # every expert cached: the steady state of a full cache
+        _decode(loaded, WARM_PROMPT, warm_tokens)
+        offload.reset()
+        drop_page_cache(prepared)
+        tps = _decode(loaded, PROMPT, tokens, on_first=offload.reset)
+        offload.flush()
+        view = offload.snapshot().since_start
+        per_token = view.bytes_read / max(view.forwards, 1)
+        rows.append(Row(
+            name=f"{fraction:.0%} cache" + (f" ({policy})" if policy != "lru" else ""),
+            cache_fraction=fraction,
+            cache_slots=slots,
+            prefetch=prefetch,
+            tokens_per_s=tps,
+            hit_rate=view.hit_rate,
+            served_from_memory=view.served_without_demand_read,
+            io_wait_share=view.blocked_s * tps / max(view.forwards, 1),
+            bytes_per_token=per_token,
+            read_gb_per_s=view.read_gb_per_s or None,
+            precision=view.prefetch_precision,
+            recall=view.prefetch_recall,
+            wasted_bytes_per_token=view.prefetch_wasted_bytes / max(view.forwards, 1),
+        ))
+        if record_trace:
+            for text in TRACE_PROMPTS:
+                _decode(loaded, text, tokens)
+        _release(loaded)
+        log.info("expert bench: %s", rows[-1])
 
     last_resident = resident_run()
     rows.append(Row("resident (last)", None, None, "-", last_resident))

@@ -325,6 +325,15 @@ class ExpertCache:
         self.policy.access(key)
         return entry.value
 
+    def peek(self, key: Key) -> Any | None:
+        """The value, without counting a use."""
+        entry = self._entries.get(key)
+        return None if entry is None else entry.value
+
+    def replace_value(self, key: Key, value: Any) -> None:
+        """Swap a resident key's value (same size), without counting a use."""
+        self._entries[key].value = value
+
     def room_for(self, nbytes: int) -> bool:
         """Whether an entry of `nbytes` could be inserted after evicting unpinned keys."""
         pinned_bytes = sum(self._entries[k].nbytes for k in self.pinned if k in self._entries)

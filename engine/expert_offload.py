@@ -33,6 +33,7 @@ import itertools
 import json
 import logging
 import time
+from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -125,7 +126,7 @@ class RoutingTrace:
 
 @dataclass
 class _Cached:
-    buffer: mx.array  # the record as read (uint8); tensors are views of it
+    buffer: mx.array | None  # the record as read (uint8), tensors are views of it; None: slab
     tensors: dict[str, mx.array]
 
 
@@ -144,6 +145,7 @@ class _LayerInfo:
     top_k: int = 0
     router: nn.Module | None = None  # this layer's router (resident copy), for prefetch
     next_layer: int | None = None
+    slab: dict[str, mx.array] | None = None  # every expert stacked, when all are cached
 
 
 class ExpertOffload:
@@ -175,12 +177,20 @@ class ExpertOffload:
         self._last_tokens = 0
         self._closed = False
         self.stacked = False  # see the module doc
+        total = sum(i.layout.num_experts for i in layers.values())
+        total_bytes = sum(i.layout.num_experts * i.layout.record_bytes for i in layers.values())
+        self.all_fit = cache.capacity.fits(total, total_bytes)
+        self._deferred: deque[tuple[int, int, int, mx.array]] = deque()
 
     # -- the call -------------------------------------------------------------------
 
     def run(self, layer: int, x: mx.array, indices: mx.array) -> mx.array:
         info = self.layers[layer]
         indices = mx.stop_gradient(indices)
+        if layer == self.first_layer:
+            self._new_forward(int(indices.size // indices.shape[-1]))
+        if info.slab is not None:
+            return self._run_slab(info, x, indices)
         predicted = None
         nxt = info.next_layer
         if self.prefetch and nxt is not None and self.layers[nxt].router is not None:
@@ -189,31 +199,114 @@ class ExpertOffload:
         else:
             mx.eval(indices)
         ids = np.array(indices)
-        tokens = int(ids.size // ids.shape[-1])
-        if layer == self.first_layer:
-            self._forward += 1
-            self._token_base += self._last_tokens
-            self._last_tokens = tokens
-            self.stats.forward_started(tokens)
-        if self.trace is not None:
-            self.trace.write(self._forward, self._token_base, layer, ids)
-            if layer == self.order[-1]:
-                self.trace.flush()
-        needed = np.unique(ids)
-        self.stats.add_many(layer, {CALLS: 1, TOKENS: tokens})
+        needed = self._account(layer, ids, self._forward, self._token_base)
         self._score_prediction(layer, needed)
         pending = self._pending.pop(layer, {})
         keys = [(layer, int(e)) for e in needed]
         used = {e for key in keys if key not in self.cache for e in (key[1],) if e in pending}
         self._discard_unused(layer, pending, used)
         chunks = chunk_keys(keys, self.cache.capacity, self.nbytes)
-        if len(chunks) == 1:
-            try:
-                weights = self._acquire(info, keys, pending, predicted)
-                return self._compute(info, x, indices, ids, needed, weights)
-            finally:
-                self.cache.pinned.clear()
-        return self._run_chunked(info, x, ids, chunks, pending, predicted)
+        if len(chunks) > 1:
+            return self._run_chunked(info, x, ids, chunks, pending, predicted)
+        try:
+            weights = self._acquire(info, keys, pending, predicted)
+            out = self._compute(info, x, indices, ids, needed, weights)
+        finally:
+            self.cache.pinned.clear()
+        if self.all_fit and self._layer_complete(info):
+            self._make_slab(info)
+        return out
+
+    def _new_forward(self, tokens: int) -> None:
+        self._forward += 1
+        self._token_base += self._last_tokens
+        self._last_tokens = tokens
+        self.stats.forward_started(tokens)
+        # Slab layers' routing from two forwards back: computed by now (the
+        # forward after it had to finish before this one's input existed), so
+        # reading it costs no sync.
+        while self._deferred and self._deferred[0][0] <= self._forward - 2:
+            self._account_deferred(*self._deferred.popleft())
+
+    def _account(self, layer: int, ids: np.ndarray, forward: int, token_base: int) -> np.ndarray:
+        """Counters and trace for one call's routing; returns the sorted needed experts."""
+        tokens = int(ids.size // ids.shape[-1])
+        if self.trace is not None:
+            self.trace.write(forward, token_base, layer, ids)
+            if layer == self.order[-1]:
+                self.trace.flush()
+        self.stats.add_many(layer, {CALLS: 1, TOKENS: tokens})
+        return np.unique(ids)
+
+    # -- fully cached layers ------------------------------------------------------------
+
+    def _layer_complete(self, info: _LayerInfo) -> bool:
+        layer = info.layer
+        return all((layer, e) in self.cache for e in range(info.layout.num_experts))
+
+    def _make_slab(self, info: _LayerInfo) -> None:
+        """Restack a fully cached layer into [E, ...] tensors (once) and run it like mlx-lm.
+
+        Only when the cache holds every expert of the model, so nothing can be
+        evicted from it afterwards (memory pressure drops whole slab layers).
+        The cache entries become views of the slab, so memory stays the same.
+        Such a layer needs no sync and no host-side ids: its counters and trace
+        lines are taken from its routing two forwards later (`_new_forward`).
+        """
+        layer = info.layer
+        count = info.layout.num_experts
+        entries = [self.cache.peek((layer, e)) for e in range(count)]
+        slab = {
+            spec.name: mx.stack([entry.tensors[spec.name] for entry in entries])
+            for spec in info.layout.tensors
+        }
+        mx.eval(slab)
+        for e in range(count):
+            views = {name: tensor[e] for name, tensor in slab.items()}
+            self.cache.replace_value((layer, e), _Cached(None, views))
+        info.slab = slab
+        log.debug("layer %d: every expert cached, running it on one stacked slab", layer)
+
+    def _run_slab(self, info: _LayerInfo, x: mx.array, indices: mx.array) -> mx.array:
+        assert info.slab is not None
+        self._deferred.append((self._forward, self._token_base, info.layer, indices))
+        for module, key, name in info.slots:
+            module[key] = info.slab[name]
+        try:
+            return info.template(x, indices)
+        finally:
+            for module, key, _ in info.slots:
+                module[key] = _EMPTY
+
+    def _account_deferred(self, forward: int, token_base: int, layer: int,
+                          indices: mx.array) -> None:
+        needed = self._account(layer, np.array(indices), forward, token_base)
+        for e in needed:
+            self.cache.lookup((layer, int(e)))  # keeps the policy's view of use current
+        self.stats.add(layer, HITS, len(needed))
+
+    def flush(self) -> None:
+        """Count the deferred routing of slab layers now (worker thread; may sync)."""
+        while self._deferred:
+            self._account_deferred(*self._deferred.popleft())
+        if self.trace is not None:
+            self.trace.flush()
+
+    def _dissolve_slabs(self) -> int:
+        """Drop every slab layer's experts (memory pressure); returns bytes freed."""
+        freed = 0
+        for info in self.layers.values():
+            if info.slab is None:
+                continue
+            info.slab = None
+            for e in range(info.layout.num_experts):
+                key = (info.layer, e)
+                if key in self.cache:
+                    self.cache.evict(key)
+                    self.stats.resident(info.layer, -1, -self.nbytes[info.layer])
+                    self.stats.add(info.layer, EVICTIONS)
+                    freed += self.nbytes[info.layer]
+        return freed
 
     def _predict(self, nxt: _LayerInfo, x: mx.array) -> mx.array:
         out = nxt.router(x)
@@ -468,7 +561,10 @@ class ExpertOffload:
 
     def reset(self, clear_cache: bool = False) -> None:
         """Zero the counters (bench); optionally empty the cache. Worker thread only."""
+        self.flush()  # deferred routing still belongs in the trace (its counts are zeroed next)
         if clear_cache:
+            for info in self.layers.values():
+                info.slab = None
             self.cache.clear()
             self.cache.pinned.clear()
             self.stats.clear_resident()
@@ -505,6 +601,10 @@ class ExpertOffload:
                 mx.eval(tensors)
                 self.cache.insert(key, _Cached(result.buffer, tensors), result.nbytes)
                 self.stats.resident(key[0], 1, result.nbytes)
+        if self.all_fit:
+            for info in self.layers.values():
+                if info.slab is None and self._layer_complete(info):
+                    self._make_slab(info)
         return len(todo)
 
     def shrink(self, deficit: int) -> int:
@@ -512,6 +612,8 @@ class ExpertOffload:
 
         Lowers the capacity (never under one layer's top-k) and evicts down to
         it. Runs on the worker thread between tokens, when nothing is pinned.
+        Layers running on a slab (every expert cached) are dropped whole: their
+        experts share one buffer, so evicting a few would free nothing.
         """
         cap = self.cache.capacity
         floor_slots = max(i.top_k for i in self.layers.values())
@@ -521,8 +623,11 @@ class ExpertOffload:
             new = Capacity(slots=max(floor_slots, min(cap.slots, want_bytes // per)))
         else:
             new = Capacity(nbytes=max(floor_slots * per, min(cap.nbytes or 0, want_bytes)))
-        self.cache.capacity = new
         before = self.cache.nbytes
+        self.cache.capacity = new
+        self.all_fit = False
+        self._deferred.clear()
+        self._dissolve_slabs()
         while len(self.cache) and not new.fits(len(self.cache), self.cache.nbytes):
             victim = self.cache.policy.victim(set())
             if victim is None:
@@ -694,7 +799,11 @@ def install_expert_offload(
     store = ExpertStore(layouts, threads=threads, verify=verify)
     # LFU's half-life is counted in decoded tokens: one token uses top-k experts per layer.
     cache_policy = make_policy(policy, accesses_per_token=sum(i.top_k for i in infos.values()))
-    cache = ExpertCache(cap, cache_policy, on_evict=lambda _key, value: store.recycle(value.buffer))
+    def recycle(_key: Key, value: _Cached) -> None:
+        if value.buffer is not None:  # slab views have no record buffer of their own
+            store.recycle(value.buffer)
+
+    cache = ExpertCache(cap, cache_policy, on_evict=recycle)
     trace = RoutingTrace(record_routing) if record_routing else None
     offload = ExpertOffload(store, cache, infos, prefetch=prefetch == "next-layer",
                             trace=trace, window_tokens=window_tokens)

@@ -56,8 +56,7 @@ def big_llama(factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 def default_gguf_prepared(factory: pytest.TempPathFactory) -> Path:
-    """The default SmolLM2 GGUF, prepared; skips when the GGUF loader is missing."""
-    pytest.importorskip("engine.gguf", reason="engine/gguf.py not available yet")
+    """The default SmolLM2 GGUF, prepared."""
     from engine.loader import default_model_path
 
     default_model_path()  # ModelLoadError (a failure) if the wheel is missing

@@ -376,15 +376,40 @@ def test_stacked_compute_is_identical_too(prepared, reference) -> None:
 
 
 def test_memory_pressure_shrinks_the_cache_but_not_below_top_k(prepared, reference) -> None:
-    loaded = load(EngineConfig(model=str(prepared["qwen3_moe"]), expert_cache=str(EXPERTS * LAYERS)))
+    total = EXPERTS * LAYERS
+    loaded = load(EngineConfig(model=str(prepared["qwen3_moe"]), expert_cache=str(total - 4)))
     offload = loaded.experts
-    assert offload.preload() == EXPERTS * LAYERS
+    assert offload.preload() == total - 4
     record = offload.nbytes[0]
-    freed = offload.shrink(10 * record)
-    assert freed == 10 * record
-    assert offload.cache.capacity.slots == EXPERTS * LAYERS - 10 == len(offload.cache)
-    assert offload.snapshot().occupancy_slots == EXPERTS * LAYERS - 10
+    assert offload.shrink(10 * record) == 10 * record
+    assert offload.cache.capacity.slots == total - 14 == len(offload.cache)
+    assert offload.snapshot().occupancy_slots == total - 14
     offload.shrink(10**12)  # asks for everything: keeps one layer's top-k
     assert offload.cache.capacity.slots == TOP_K == len(offload.cache)
     assert greedy(loaded)[0] == reference["qwen3_moe"][0]
-    loaded.experts.close()
+    offload.close()
+
+
+def test_every_expert_cached_runs_on_slabs_without_syncs(prepared, reference) -> None:
+    total = EXPERTS * LAYERS
+    loaded = load(EngineConfig(model=str(prepared["qwen2_moe"]), expert_cache=str(total)))
+    offload = loaded.experts
+    assert offload.preload() == total
+    assert all(info.slab is not None for info in offload.layers.values())
+    tokens, logprobs = greedy(loaded)
+    assert tokens == reference["qwen2_moe"][0]
+    assert mx.allclose(logprobs, reference["qwen2_moe"][1], atol=1e-4).item()
+    # Slab layers count their routing two forwards late; flush() counts the rest.
+    offload.flush()
+    view = offload.snapshot().since_start
+    assert view.misses == 0 and view.evictions == 0
+    # Every layer call of every forward counted: one-token calls use exactly top-k experts.
+    prompt_calls = [s.hits for s in view.layers]
+    assert len(set(prompt_calls)) >= 1 and all(h >= TOP_K * (TOKENS - 1) for h in prompt_calls)
+    # Memory pressure drops slab layers whole, then the cache refills on demand.
+    freed = offload.shrink(offload.nbytes[0])
+    assert freed == total * offload.nbytes[0]
+    assert all(info.slab is None for info in offload.layers.values())
+    assert greedy(loaded)[0] == reference["qwen2_moe"][0]
+    assert 0 < len(offload.cache) <= offload.cache.capacity.slots < total
+    offload.close()
