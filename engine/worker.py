@@ -116,10 +116,16 @@ class Engine:
             self.state = "failed"
         finally:
             self._ready.set()
-        if self.state == "ready":
-            self._loop()
-        else:
+        if self.state != "ready":
             self._refuse_all()
+            return
+        while True:
+            try:
+                self._loop()
+                return
+            except Exception:
+                # A bug outside a step; a dead worker would hang every later request.
+                log.exception("worker loop failed; restarting it")
 
     def _refuse_all(self) -> None:
         while (handle := self._queue.get()) is not None:

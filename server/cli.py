@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import threading
 from pathlib import Path
@@ -22,7 +23,11 @@ EXIT_USAGE = 2
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
-    args = parser.parse_args(argv)
+    # bench options belong to engine.bench; everything it doesn't know is passed on.
+    args, rest = parser.parse_known_args(argv)
+    if rest and getattr(args, "command", None) != "bench":
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.rest = rest
     if not getattr(args, "command", None):
         parser.print_help()
         return EXIT_USAGE
@@ -66,8 +71,9 @@ def _parser() -> argparse.ArgumentParser:
     prep.add_argument("--force", action="store_true", help="overwrite a non-empty OUT")
     prep.set_defaults(run=_prepare)
 
-    bench = sub.add_parser("bench", help="measure tokens/s and memory; prints tables")
-    bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of engine.bench")
+    bench = sub.add_parser(
+        "bench", help="measure tokens/s and memory; prints tables", add_help=False
+    )
     bench.set_defaults(run=_bench)
     return parser
 
@@ -186,5 +192,21 @@ def _bench(args: argparse.Namespace) -> int:
     return bench.main([a for a in args.rest if a != "--"])
 
 
+def run() -> None:
+    """Console entry point: main(), then leave without C++ static destructors.
+
+    MLX state left by the worker thread can make the interpreter's normal exit
+    abort ("terminate called without an active exception", seen intermittently
+    after any model call on a non-main thread), which would turn a clean exit
+    into SIGABRT. Everything of ours is already closed by then (the engine shut
+    down, the routing trace flushed), so flush Python's own buffers and exit.
+    """
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -413,3 +413,33 @@ def test_every_expert_cached_runs_on_slabs_without_syncs(prepared, reference) ->
     assert greedy(loaded)[0] == reference["qwen2_moe"][0]
     assert 0 < len(offload.cache) <= offload.cache.capacity.slots < total
     offload.close()
+
+
+def test_batched_requests_through_the_engine_match_resident(prepared) -> None:
+    """Concurrent requests share forwards (the worker batches them): still identical."""
+    texts = [PROMPT, "The quick brown fox", "What is the weather today in Paris?"]
+
+    def run_all(config: EngineConfig) -> list[list[int]]:
+        engine = Engine(config)
+        engine.start()
+        try:
+            assert engine.wait_ready(60), engine.load_error
+
+            async def go() -> list[list[int]]:
+                async def one(text: str) -> list[int]:
+                    prompt = engine.loaded.tokenizer.encode(text)
+                    request = GenerationRequest(prompt, 12, SamplingParams(temperature=0))
+                    return [e.token async for e in engine.submit(request)
+                            if isinstance(e, TokenEvent)]
+
+                return list(await asyncio.gather(*(one(t) for t in texts)))
+
+            return asyncio.run(go())
+        finally:
+            engine.shutdown()
+
+    path = str(prepared["qwen3_next"])
+    want = run_all(EngineConfig(model=path, max_batch=4))
+    got = run_all(EngineConfig(model=path, max_batch=4, expert_cache=str(TOP_K * LAYERS),
+                               expert_prefetch="next-layer"))
+    assert got == want and all(len(tokens) > 0 for tokens in got)
