@@ -165,31 +165,32 @@ def memory_report(
     wins when both are given. Must not run MLX computations, so it is safe to
     call from any thread (it only reads counters and array sizes).
     """
+    streamer = getattr(loaded, "streamer", None)
+    layout = _streamed_layout(streamer) if streamer is not None else _resident_layout(loaded)
     sysmem = system_memory()
     mlxmem = mlx_memory()
-    kv = kv_cache_bytes if kv_cache_bytes is not None else kv_cache_nbytes(prompt_caches)
-    streamer = getattr(loaded, "streamer", None)
-    if streamer is not None:
-        snap = streamer.snapshot()
-        return MemoryReport(
-            rss_bytes=process_rss(),
-            system_total_bytes=sysmem.total,
-            system_available_bytes=sysmem.available,
-            mlx_active_bytes=mlxmem.active,
-            mlx_peak_bytes=mlxmem.peak,
-            mlx_cache_bytes=mlxmem.cache,
-            num_layers=snap["num_layers"],
-            resident_layers=snap["resident_layers"],
-            streamed_layers=snap["streamed_layers"],
-            resident_weight_bytes=snap["resident_weight_bytes"],
-            non_layer_bytes=snap["non_layer_bytes"],
-            streaming_buffer_bytes=snap["streaming_buffer_bytes"],
-            kv_cache_bytes=kv,
-            shedding_events=snap["shedding_events"],
-            plan=snap["plan"],
-            streaming=snap["stats"],
-        )
-    # A plain (fully resident) model: every layer is resident.
+    return MemoryReport(
+        rss_bytes=process_rss(),
+        system_total_bytes=sysmem.total,
+        system_available_bytes=sysmem.available,
+        mlx_active_bytes=mlxmem.active,
+        mlx_peak_bytes=mlxmem.peak,
+        mlx_cache_bytes=mlxmem.cache,
+        kv_cache_bytes=(
+            kv_cache_bytes if kv_cache_bytes is not None else kv_cache_nbytes(prompt_caches)
+        ),
+        **layout,
+    )
+
+
+def _streamed_layout(streamer: Any) -> dict:
+    snap = streamer.snapshot()
+    streaming = snap.pop("stats")
+    return {**snap, "streaming": streaming}
+
+
+def _resident_layout(loaded: Any) -> dict:
+    """A plain (fully resident) model: every layer is resident."""
     model = loaded.model
     layers = list(getattr(model, "layers", []) or [])
     total = sum(a.nbytes for _, a in tree_flatten(model.parameters()) if isinstance(a, mx.array))
@@ -199,18 +200,11 @@ def memory_report(
         for _, a in tree_flatten(layer.parameters())
         if isinstance(a, mx.array)
     )
-    return MemoryReport(
-        rss_bytes=process_rss(),
-        system_total_bytes=sysmem.total,
-        system_available_bytes=sysmem.available,
-        mlx_active_bytes=mlxmem.active,
-        mlx_peak_bytes=mlxmem.peak,
-        mlx_cache_bytes=mlxmem.cache,
-        num_layers=len(layers),
-        resident_layers=list(range(len(layers))),
-        streamed_layers=[],
-        resident_weight_bytes=total,
-        non_layer_bytes=total - layer_bytes,
-        streaming_buffer_bytes=0,
-        kv_cache_bytes=kv,
-    )
+    return {
+        "num_layers": len(layers),
+        "resident_layers": list(range(len(layers))),
+        "streamed_layers": [],
+        "resident_weight_bytes": total,
+        "non_layer_bytes": total - layer_bytes,
+        "streaming_buffer_bytes": 0,
+    }
