@@ -181,3 +181,24 @@ async def cancel_on_disconnect(request: Request, generation: Generation) -> Asyn
     finally:
         watcher.cancel()
         generation.cancel()  # no-op after a normal finish; stops the worker otherwise
+
+
+async def sse_events(generation: Generation, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """SSE data lines of one streamed response: its chunks, then `[DONE]`.
+
+    A failure after the headers went out becomes an error object in the stream
+    (the status can no longer change). sse-starlette cancels this generator
+    when the client disconnects, and the finally block then cancels the
+    generation.
+    """
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except APIError as exc:
+        yield exc.body_json()
+    except Exception as exc:  # a bug: tell the client, keep serving
+        log.exception("stream %s failed", generation.request_id)
+        yield APIError(500, f"{type(exc).__name__}: {exc}", type=SERVER_ERROR).body_json()
+    finally:
+        generation.cancel()
+    yield "[DONE]"

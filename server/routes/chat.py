@@ -6,7 +6,6 @@ ChatDeltas -> SSE chunks, or folded by MessageBuilder into one message.
 
 from __future__ import annotations
 
-import logging
 from typing import AsyncIterator
 
 from fastapi import APIRouter, Depends, Request
@@ -18,7 +17,6 @@ from engine.worker import Engine
 
 from ..chat_tools import ChatOutputProcessor, constraint_processors, plan_chat, template_inputs
 from ..deps import check_model, get_engine, get_settings, ready_model, vocab_size
-from ..errors import SERVER_ERROR, APIError
 from ..generation import (
     Generation,
     cancel_on_disconnect,
@@ -26,6 +24,7 @@ from ..generation import (
     new_id,
     now,
     sampling_params,
+    sse_events,
     submit,
 )
 from ..output import MessageBuilder, OutputProcessor
@@ -39,8 +38,6 @@ from ..schemas import (
     ChatDelta,
 )
 from ..settings import Settings
-
-log = logging.getLogger(__name__)
 
 router = APIRouter(tags=["chat"])
 
@@ -91,7 +88,8 @@ async def chat_completions(
     header = _ChunkHeader(completion_id, now(), loaded.model_id)
     if body.stream:
         return EventSourceResponse(
-            _stream(generation, processor, header, body.include_usage), sep="\n"
+            sse_events(generation, _stream(generation, processor, header, body.include_usage)),
+            sep="\n",
         )
     builder = MessageBuilder()
     async with cancel_on_disconnect(request, generation):
@@ -134,35 +132,19 @@ async def _stream(
     header: _ChunkHeader,
     include_usage: bool,
 ) -> AsyncIterator[str]:
-    """SSE data lines; sse-starlette cancels this generator when the client disconnects,
-    and the finally block then cancels the generation."""
-    try:
-        yield header.chunk(ChatDelta(role="assistant", content=""))
-        async for piece in generation.pieces():
-            for delta in processor.feed(piece):
-                yield header.chunk(delta)
-        for delta in processor.finish():
+    yield header.chunk(ChatDelta(role="assistant", content=""))
+    async for piece in generation.pieces():
+        for delta in processor.feed(piece):
             yield header.chunk(delta)
-        assert generation.outcome is not None
-        yield header.chunk(
-            ChatDelta(), processor.finish_reason(generation.outcome.finish_reason)
-        )
-        if include_usage:
-            yield ChatCompletionChunk(
-                id=header.id,
-                created=header.created,
-                model=header.model,
-                choices=[],
-                usage=generation.usage(),
-            ).model_dump_json()
-        yield "[DONE]"
-    except APIError as exc:
-        yield exc.body_json()
-        yield "[DONE]"
-    except Exception as exc:  # a bug after the headers went out: tell the client, keep serving
-        log.exception("chat stream %s failed", generation.request_id)
-        yield APIError(500, f"{type(exc).__name__}: {exc}", type=SERVER_ERROR).body_json()
-        yield "[DONE]"
-    finally:
-        generation.cancel()
-
+    for delta in processor.finish():
+        yield header.chunk(delta)
+    assert generation.outcome is not None
+    yield header.chunk(ChatDelta(), processor.finish_reason(generation.outcome.finish_reason))
+    if include_usage:
+        yield ChatCompletionChunk(
+            id=header.id,
+            created=header.created,
+            model=header.model,
+            choices=[],
+            usage=generation.usage(),
+        ).model_dump_json()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Depends, Request
@@ -13,7 +12,6 @@ from engine.requests import GenerationRequest
 from engine.worker import Engine
 
 from ..deps import check_model, get_engine, get_settings, ready_model, vocab_size
-from ..errors import SERVER_ERROR, APIError
 from ..generation import (
     Generation,
     cancel_on_disconnect,
@@ -21,13 +19,12 @@ from ..generation import (
     new_id,
     now,
     sampling_params,
+    sse_events,
     submit,
 )
 from ..prompts import encode_completion_prompt
 from ..schemas import Completion, CompletionChoice, CompletionRequest
 from ..settings import Settings
-
-log = logging.getLogger(__name__)
 
 router = APIRouter(tags=["completions"])
 
@@ -63,7 +60,9 @@ async def completions(
         tracker=request.app.state.tracker,
     )
     if body.stream:
-        return EventSourceResponse(_stream(generation, completion, body.include_usage), sep="\n")
+        return EventSourceResponse(
+            sse_events(generation, _stream(generation, completion, body.include_usage)), sep="\n"
+        )
     async with cancel_on_disconnect(request, generation):
         text = "".join([piece async for piece in generation.pieces()])
     assert generation.outcome is not None
@@ -81,20 +80,9 @@ async def _stream(
         choice = CompletionChoice(text=text, finish_reason=finish_reason)
         return header.model_copy(update={"choices": [choice]}).model_dump_json()
 
-    try:
-        async for piece in generation.pieces():
-            yield chunk(piece)
-        assert generation.outcome is not None
-        yield chunk("", generation.outcome.finish_reason)
-        if include_usage:
-            yield header.model_copy(update={"usage": generation.usage()}).model_dump_json()
-        yield "[DONE]"
-    except APIError as exc:
-        yield exc.body_json()
-        yield "[DONE]"
-    except Exception as exc:  # a bug after the headers went out: tell the client, keep serving
-        log.exception("completion stream %s failed", generation.request_id)
-        yield APIError(500, f"{type(exc).__name__}: {exc}", type=SERVER_ERROR).body_json()
-        yield "[DONE]"
-    finally:
-        generation.cancel()
+    async for piece in generation.pieces():
+        yield chunk(piece)
+    assert generation.outcome is not None
+    yield chunk("", generation.outcome.finish_reason)
+    if include_usage:
+        yield header.model_copy(update={"usage": generation.usage()}).model_dump_json()
