@@ -22,6 +22,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from .tokenizer import hf_tokenizer
+
 log = logging.getLogger(__name__)
 
 
@@ -31,13 +33,6 @@ class GrammarError(ValueError):
 
 _lltok_cache: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 _lltok_lock = threading.Lock()
-
-
-def hf_tokenizer(tokenizer: Any) -> Any:
-    """The Hugging Face tokenizer inside mlx-lm's TokenizerWrapper (or itself)."""
-    from mlx_lm.tokenizer_utils import TokenizerWrapper
-
-    return tokenizer._tokenizer if isinstance(tokenizer, TokenizerWrapper) else tokenizer
 
 
 def ll_tokenizer(tokenizer: Any) -> Any:

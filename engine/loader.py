@@ -18,6 +18,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from .config import EngineConfig
+from .prompt_matmul import use_blas_for_prompts
 
 log = logging.getLogger(__name__)
 
@@ -88,26 +89,30 @@ def load(config: EngineConfig) -> LoadedModel:
         raise ModelLoadError(
             "--expert-cache needs a prepared model directory (run: flashserve prepare MODEL OUT)"
         )
-    if isinstance(target, Path) and target.is_file():
-        from .gguf import load_gguf
-
-        model, tokenizer, model_config = load_gguf(target)
-    elif isinstance(target, Path) and (target / "manifest.json").exists():
+    if isinstance(target, Path) and (target / "manifest.json").exists():
         from .streaming import load_prepared
 
-        return load_prepared(target, config)
+        loaded = load_prepared(target, config)
     else:
-        model, tokenizer, model_config = _load_mlx_lm(target)
-        _float32_on_cpu(model)
-    model_id = config.model_id or _model_id(target)
-    return LoadedModel(
-        model=model,
-        tokenizer=tokenizer,
-        config=model_config,
-        model_id=model_id,
-        path=target if isinstance(target, Path) else None,
-        context_length=context_length_of(model_config),
-    )
+        if isinstance(target, Path) and target.is_file():
+            from .gguf import load_gguf
+
+            model, tokenizer, model_config = load_gguf(target)
+        else:
+            model, tokenizer, model_config = _load_mlx_lm(target)
+            _float32_on_cpu(model)
+        loaded = LoadedModel(
+            model=model,
+            tokenizer=tokenizer,
+            config=model_config,
+            model_id=config.model_id or _model_id(target),
+            path=target if isinstance(target, Path) else None,
+            context_length=context_length_of(model_config),
+        )
+    changed = use_blas_for_prompts(loaded.model)
+    if changed:
+        log.debug("%d quantized linears run prompts as dequantize + BLAS matmul", changed)
+    return loaded
 
 
 def _model_id(target: Path | str) -> str:

@@ -17,6 +17,7 @@ from typing import Any
 
 from mlx_lm.generate import BatchGenerator, StopSequences
 
+from . import blas
 from .config import EngineConfig
 from .loader import LoadedModel, load
 from .requests import DoneEvent, ErrorEvent, GenerationRequest, RequestHandle, TokenEvent
@@ -106,9 +107,10 @@ class Engine:
             self.loaded = load(self.config)
             self.state = "ready"
             log.info(
-                "model %s ready (context %d tokens)",
+                "model %s ready (context %d tokens, float matmuls on %s BLAS)",
                 self.loaded.model_id,
                 self.loaded.context_length,
+                blas.describe(),
             )
         except Exception as exc:
             log.error("model failed to load: %s", exc)

@@ -18,14 +18,9 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
-from engine.constraints import (
-    GrammarError,
-    GrammarProcessor,
-    compile_grammar,
-    hf_tokenizer,
-    literal,
-)
+from engine.constraints import GrammarError, GrammarProcessor, compile_grammar, literal
 from engine.requests import LogitsProcessor
+from engine.tokenizer import hf_tokenizer
 
 from .errors import invalid_request
 from .output import OutputProcessor

@@ -74,6 +74,8 @@ def _parser() -> argparse.ArgumentParser:
     bench = sub.add_parser(
         "bench", help="measure tokens/s and memory; prints tables", add_help=False
     )
+    bench.add_argument("--config", help="config.toml (default: ./config.toml if present)")
+    bench.add_argument("--blas", choices=get_args(Settings.model_fields["blas"].annotation))
     bench.set_defaults(run=_bench)
     return parser
 
@@ -102,7 +104,18 @@ def _settings(args: argparse.Namespace) -> Settings:
         level=settings.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    _select_blas(settings.blas)
     return settings
+
+
+def _select_blas(choice: str) -> None:
+    """Before anything imports mlx: the BLAS is bound when libmlx loads (engine/blas.py)."""
+    from engine import blas
+
+    try:
+        log.debug("float matmuls: %s BLAS", blas.select(choice))  # type: ignore[arg-type]
+    except blas.BlasError as exc:
+        raise _UserError(str(exc)) from None
 
 
 def _check_model(settings: Settings) -> None:
@@ -187,6 +200,7 @@ def _prepare(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    _select_blas(load_settings(args.config, blas=args.blas).blas)
     from engine import bench
 
     return bench.main([a for a in args.rest if a != "--"])

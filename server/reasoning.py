@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from engine.constraints import hf_tokenizer
+from engine.tokenizer import hf_tokenizer
 
 NAMES = ("auto", "none", "think", "qwen3", "deepseek_r1")
 

@@ -403,4 +403,5 @@ class Health(BaseModel):
     busy: bool = False  # a generation is running or waiting
     queued: int = 0
     stats: dict[str, Any] | None = None  # engine.stats_dict() when loaded
+    blas: str | None = None  # what serves float matmuls: mkl, reference or accelerate
     error: ErrorDetail | None = None  # set when status is not ok (503)

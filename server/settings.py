@@ -78,6 +78,9 @@ class Settings(BaseSettings):
     max_batch: int = Field(8, ge=1, le=256)
     prefill_step_size: int = Field(512, ge=16)
     max_queue: int = Field(64, ge=1)
+    blas: Literal["auto", "mkl", "reference"] = Field(
+        "auto", description="Linux: BLAS for float matmuls; auto = mkl when installed"
+    )
 
     # Tools and reasoning
     tool_parser: str | None = Field(None, description="override the parser chosen from the template")

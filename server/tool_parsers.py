@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from engine.constraints import hf_tokenizer
+from engine.tokenizer import hf_tokenizer
 
 log = logging.getLogger(__name__)
 

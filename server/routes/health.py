@@ -9,6 +9,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse
 
+from engine import blas
 from engine.worker import Engine
 
 from ..deps import get_engine
@@ -33,6 +34,7 @@ async def health(engine: Engine = Depends(get_engine)) -> Health | JSONResponse:
             busy=not engine.idle,
             queued=stats.get("queued", 0),
             stats=stats,
+            blas=blas.describe(),
         )
     error = not_ready(engine.state, engine.load_error)
     body = Health(status=engine.state, error=error.detail)  # type: ignore[arg-type]
