@@ -4,6 +4,7 @@ Sections (all by default):
   layers   plain mlx-lm vs streaming at several residencies, prefetch on/off
   experts  MoE expert cache at several capacities, prefetch on/off, trace replay
   batch    aggregate tokens/s at 1, 2, 4, 8 concurrent streams
+  prefill  prompt tokens/s of quantized models: MLX's kernel vs dequantize + BLAS
 
 Models are random-weight models of real architectures, written once under
 --work-dir and prepared for streaming. The page cache is dropped before every
@@ -60,8 +61,8 @@ BATCH_MOE_MODEL = {
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="flashserve bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sections", default="layers,experts,batch",
-                        help="comma list of: layers, experts, batch")
+    parser.add_argument("--sections", default="layers,experts,batch,prefill",
+                        help="comma list of: layers, experts, batch, prefill")
     parser.add_argument("--work-dir", type=Path, default=DEFAULT_WORK_DIR,
                         help="where bench models are written once and reused")
     parser.add_argument("--tokens", type=int, default=32, help="tokens generated per stream")
@@ -81,6 +82,10 @@ def main(argv: list[str] | None = None) -> int:
             run_experts(args.work_dir, tokens=args.tokens, quick=args.quick)
         elif section == "batch":
             run_batch(args.work_dir, tokens=args.tokens, quick=args.quick)
+        elif section == "prefill":
+            from .prefill_bench import run as run_prefill
+
+            run_prefill(args.work_dir, quick=args.quick)
         else:
             parser.error(f"unknown section {section!r}")
     return 0

@@ -48,7 +48,7 @@ def test_quick_bench_prints_every_section(tmp_path: Path) -> None:
         "--",
         "--quick",
         "--sections",
-        "layers,experts,batch",
+        "layers,experts,batch,prefill",
         "--tokens",
         "4",
         "--work-dir",
@@ -123,3 +123,12 @@ def test_quick_bench_prints_every_section(tmp_path: Path) -> None:
         re.MULTILINE,
     )
     assert [t[0] for t in batch_targets] == ["4", "8"], proc.stdout
+
+    prefill = [rows for t, rows in tables.items() if t.startswith("Prefill:")]
+    assert len(prefill) == 1, proc.stdout
+    assert [r["prompt tokens"] for r in prefill[0]] == ["16", "64"]
+    for row in prefill[0]:
+        for column in ("kernel tok/s", "dequantize + BLAS tok/s", "speed-up"):
+            assert _number(row[column]) > 0, row
+    assert re.search(r"^float matmuls on the (mkl|reference|accelerate) BLAS$", proc.stdout,
+                     re.MULTILINE), proc.stdout
