@@ -49,6 +49,10 @@ class PromptQuantizedLinear(nn.QuantizedLinear):
                 dtype=x.dtype,
             )
             outputs.append(x @ dense.T)
+            # Computed now, so this slice's float weight is freed before the next
+            # one (or the next layer's) is made: MLX would otherwise schedule the
+            # dequantizes of several layers ahead of their matmuls.
+            mx.eval(outputs[-1])
         y = outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=-1)
         if "bias" in self:
             y = y + self["bias"]

@@ -78,3 +78,26 @@ def test_loaded_quantized_model_uses_it_and_keeps_its_output(tmp_path):
     reference = loaded.model(prompt)
     np.testing.assert_allclose(np.array(logits), np.array(reference), rtol=1e-3, atol=1e-3)
     assert (mx.argmax(logits[0], -1) == mx.argmax(reference[0], -1)).all().item()
+
+
+def test_float_weight_never_exists_whole(monkeypatch):
+    """Peak memory holds one slice of float weight, not the whole matrix (16 MiB here)."""
+    linear = nn.Linear(1024, 4096, bias=False)
+    module = nn.QuantizedLinear.from_linear(linear, group_size=64, bits=4)
+    module.__class__ = PromptQuantizedLinear
+    x = mx.random.normal((1, 16, 1024), key=mx.random.key(12))
+    mx.eval(module.parameters(), x)
+
+    def peak(slice_bytes: int) -> int:
+        monkeypatch.setattr(prompt_matmul, "SLICE_BYTES", slice_bytes)
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        base = mx.get_active_memory()
+        y = module(x)
+        mx.eval(y)
+        assert y.shape == (1, 16, 4096)
+        return mx.get_peak_memory() - base
+
+    whole, sliced = peak(2**30), peak(2 * 2**20)  # one slice vs 8 slices
+    assert whole > 16 * 2**20
+    assert sliced < whole / 3
