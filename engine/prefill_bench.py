@@ -29,8 +29,15 @@ LLAMA_Q4 = {
     "num_key_value_heads": 4,
     "head_dim": 128,
 }
-QUICK_LLAMA_Q4 = dict(LLAMA_Q4, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+QUICK_LLAMA_Q4 = dict(
+    LLAMA_Q4,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+)
 
 
 def prefill_seconds(model: nn.Module, length: int, repeats: int) -> float:
@@ -60,8 +67,13 @@ def run(work_dir: Path, *, quick: bool = False) -> None:
 
     lengths = (16, 64) if quick else (32, 128, 512)
     repeats = 1 if quick else 3
-    llama, _ = bench_model(work_dir, "prefill-llama-q4" + "-quick" * quick, "llama",
-                           QUICK_LLAMA_Q4 if quick else LLAMA_Q4, bits=4)
+    llama, _ = bench_model(
+        work_dir,
+        "prefill-llama-q4" + "-quick" * quick,
+        "llama",
+        QUICK_LLAMA_Q4 if quick else LLAMA_Q4,
+        bits=4,
+    )
     models = [("llama q4", llama)] if quick else [("default model", None), ("llama q4", llama)]
     rows = []
     for label, path in models:
@@ -73,10 +85,22 @@ def run(work_dir: Path, *, quick: bool = False) -> None:
             for name, cls in (("kernel", nn.QuantizedLinear), ("blas", PromptQuantizedLinear)):
                 _set_path(model, cls)
                 times[name] = prefill_seconds(model, length, repeats)
-            log.info("%s, %d tokens: kernel %.3f s, dequantize + BLAS %.3f s",
-                     label, length, times["kernel"], times["blas"])
-            rows.append([label, length, length / times["kernel"], length / times["blas"],
-                         times["kernel"] / times["blas"]])
+            log.info(
+                "%s, %d tokens: kernel %.3f s, dequantize + BLAS %.3f s",
+                label,
+                length,
+                times["kernel"],
+                times["blas"],
+            )
+            rows.append(
+                [
+                    label,
+                    length,
+                    length / times["kernel"],
+                    length / times["blas"],
+                    times["kernel"] / times["blas"],
+                ]
+            )
         del loaded, model
     print_table(
         f"Prefill: prompt tokens/s, quantized kernel vs dequantize + {blas.describe()} BLAS "

@@ -130,5 +130,6 @@ def test_quick_bench_prints_every_section(tmp_path: Path) -> None:
     for row in prefill[0]:
         for column in ("kernel tok/s", "dequantize + BLAS tok/s", "speed-up"):
             assert _number(row[column]) > 0, row
-    assert re.search(r"^float matmuls on the (mkl|reference|accelerate) BLAS$", proc.stdout,
-                     re.MULTILINE), proc.stdout
+    assert re.search(
+        r"^float matmuls on the (mkl|reference|accelerate) BLAS$", proc.stdout, re.MULTILINE
+    ), proc.stdout
