@@ -69,6 +69,7 @@ from .expert_stats import (
     PREFETCH_WASTED,
     PREFETCH_WASTED_BYTES,
     TOKENS,
+    USES,
     CacheStats,
     ExpertStats,
 )
@@ -235,7 +236,7 @@ class ExpertOffload:
             self.trace.write(forward, token_base, layer, ids)
             if layer == self.order[-1]:
                 self.trace.flush()
-        self.stats.add_many(layer, {CALLS: 1, TOKENS: tokens})
+        self.stats.add_many(layer, {CALLS: 1, TOKENS: tokens, USES: int(ids.size)})
         return np.unique(ids)
 
     # -- fully cached layers ------------------------------------------------------------
@@ -554,6 +555,7 @@ class ExpertOffload:
             uptime_s=self.stats.uptime(),
             since_start=self.stats.view(total, gtotal, resident),
             window=self.stats.view(window, gwindow, resident),
+            last_step=self.stats.step_view(),
         )
 
     def reset_window(self) -> None:

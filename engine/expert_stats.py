@@ -36,7 +36,8 @@ PREFETCH_WASTED = 13  # prefetched, then not needed
 PREFETCH_WASTED_BYTES = 14
 CALLS = 15  # layer calls (forwards through this MoE layer)
 TOKENS = 16  # tokens routed through this layer
-N_COUNTERS = 17
+USES = 17  # (token, expert) routings: tokens x experts per token
+N_COUNTERS = 18
 
 # Global counters.
 G_FORWARDS = 0
@@ -97,6 +98,23 @@ class StatsView:
 
 
 @dataclass
+class StepView:
+    """The last finished forward pass: a decode step of the whole batch, or a prefill chunk.
+
+    A step looks each needed expert up once, whatever the number of tokens
+    routed to it, so `uses_per_needed_expert` is how far the batch shares its
+    expert loads (1.0 with one token, up to the batch size).
+    """
+
+    tokens: int  # tokens in the step: the sequences of a decode step
+    expert_uses: int  # (token, expert) routings, all MoE layers
+    experts_needed: int  # distinct experts per layer, summed over layers
+    expert_reads: int  # needed experts read from disk on demand
+    bytes_read: int
+    uses_per_needed_expert: float
+
+
+@dataclass
 class CacheStats:
     """What GET /cache/stats returns (asdict -> JSON)."""
 
@@ -115,6 +133,7 @@ class CacheStats:
     uptime_s: float
     since_start: StatsView
     window: StatsView
+    last_step: StepView
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -144,6 +163,8 @@ class ExpertStats:
         self._ring_tokens = 0
         self._wsum = np.zeros((len(layers), N_COUNTERS))
         self._gwsum = np.zeros(N_GLOBAL)
+        self._last = np.zeros((len(layers), N_COUNTERS))  # the last folded forward
+        self._glast = np.zeros(N_GLOBAL)
         self._resident = np.zeros((len(layers), 2))  # experts, bytes
         self._last_forward: float | None = None
         self._started = time.time()
@@ -192,6 +213,7 @@ class ExpertStats:
         self._wsum += self._cur
         self._gwsum += self._gcur
         self._ring_tokens += tokens
+        self._last, self._glast = self._cur, self._gcur
         while len(self._ring) > 1 and self._ring_tokens - int(self._ring[0][1][G_TOKENS]) >= (
             self.window_tokens
         ):
@@ -221,6 +243,8 @@ class ExpertStats:
         with self._lock:
             for a in (self._total, self._gtotal, self._cur, self._gcur, self._wsum, self._gwsum):
                 a[:] = 0
+            self._last = np.zeros_like(self._last)
+            self._glast = np.zeros_like(self._glast)
             self._ring.clear()
             self._ring_tokens = 0
             self._last_forward = None
@@ -235,6 +259,19 @@ class ExpertStats:
                 self._gwsum + self._gcur,
                 self._resident.copy(),
             )
+
+    def step_view(self) -> StepView:
+        with self._lock:
+            s, g = self._last.sum(axis=0), self._glast.copy()
+        needed = s[HITS] + s[PREFETCH_HITS] + s[MISSES]
+        return StepView(
+            tokens=int(g[G_TOKENS]),
+            expert_uses=int(s[USES]),
+            experts_needed=int(needed),
+            expert_reads=int(s[MISSES]),
+            bytes_read=int(s[BYTES_READ]),
+            uses_per_needed_expert=_ratio(s[USES], needed),
+        )
 
     def view(self, counts: np.ndarray, gcounts: np.ndarray, resident: np.ndarray) -> StatsView:
         layers = [self._layer_stats(layer, counts[i], resident[i]) for i, layer in

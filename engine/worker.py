@@ -8,11 +8,12 @@ reported to its own client only; the worker keeps serving.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import logging
 import queue
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from mlx_lm.generate import BatchGenerator, StopSequences
@@ -37,6 +38,9 @@ class EngineNotReadyError(Exception):
     pass
 
 
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # max_batch is at most 256
+
+
 @dataclass
 class WorkerStats:
     requests_total: int = 0
@@ -48,6 +52,10 @@ class WorkerStats:
     active: int = 0  # requests in the batch now
     batch_size: int = 0  # sequences in the last decode step
     steps: int = 0  # decode steps since start
+    batch_size_sum: int = 0  # sequences over all decode steps (their mean: sum / steps)
+    # Decode steps by batch size, one count per BATCH_SIZE_BUCKETS upper bound (not
+    # cumulative): /metrics serves it as a histogram.
+    batch_size_steps: list[int] = field(default_factory=lambda: [0] * len(BATCH_SIZE_BUCKETS))
     kv_cache_bytes: int = 0  # KV cache and recurrent state of the batch
     last_step_read_bytes: int = 0  # weights read from disk by the last step, for the batch
     last_prefill_tokens_per_s: float = 0.0
@@ -170,6 +178,8 @@ class Engine:
         read_before = self._bytes_read()
         _, responses = batch.next()
         self.stats.steps += 1
+        self.stats.batch_size_sum += len(active)
+        self.stats.batch_size_steps[bisect.bisect_left(BATCH_SIZE_BUCKETS, len(active))] += 1
         self.stats.last_step_read_bytes = self._bytes_read() - read_before
         self.stats.kv_cache_bytes = batch.prompt_cache_nbytes
         for response in responses:

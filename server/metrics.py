@@ -31,8 +31,15 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
+
+from engine.worker import BATCH_SIZE_BUCKETS
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +148,24 @@ class EngineCollector(Collector):
         for key, (name, doc) in self.GAUGES.items():
             if isinstance(stats.get(key), (int, float)):
                 yield GaugeMetricFamily(metric_name(PREFIX, name), doc, value=stats[key])
+        steps = stats.get("batch_size_steps")
+        if isinstance(steps, list) and len(steps) == len(BATCH_SIZE_BUCKETS):
+            yield _batch_size_histogram(steps, stats.get("batch_size_sum", 0))
+
+
+def _batch_size_histogram(steps: list[int], total: int) -> HistogramMetricFamily:
+    """Decode steps by batch size, from the worker's per-bucket counts."""
+    buckets, seen = [], 0
+    for bound, count in zip(BATCH_SIZE_BUCKETS, steps):
+        seen += count
+        buckets.append((str(bound), seen))
+    buckets.append(("+Inf", seen))
+    return HistogramMetricFamily(
+        metric_name(PREFIX, "decode_batch_size"),
+        "Sequences per decode step (one observation per step)",
+        buckets=buckets,
+        sum_value=total,
+    )
 
 
 class Metrics:

@@ -33,14 +33,14 @@ def expert_cache_numbers(engine: Any) -> dict[str, Any]:
     occupancy and for the last-N-tokens window."""
     from .routes.cache import stats_response
 
-    loaded = getattr(engine, "loaded", None)
-    if loaded is None:
+    if getattr(engine, "loaded", None) is None:
         return {}
-    data = stats_response(loaded, layers=False).model_dump()
+    data = stats_response(engine, layers=False).model_dump()
     since = data.pop("since_start", None) or {}
     for key, value in since.items():
         data[f"{key}_total" if key in _CACHE_CUMULATIVE else f"lifetime_{key}"] = value
     data.pop("moe_layers", None)  # a list of layer indices: its count is in the config
+    data.pop("batch_size", None)  # the engine's own flashserve_batch_size
     return data
 
 

@@ -88,6 +88,41 @@ def test_cache_stats_schema_and_counters(moe_server: Server) -> None:
     assert after["since_start"]["misses"] >= start["misses"]
 
 
+def test_last_step_shows_expert_loads_shared_by_the_batch(
+    moe_server: Server, tiny_moe_dir: Path
+) -> None:
+    config = json.loads((tiny_moe_dir / "config.json").read_text())
+    top_k, layers = config["num_experts_per_tok"], 4
+    http = moe_server.http()
+    chat(moe_server, tokens=6)
+    alone = http.get("/cache/stats", params={"layers": "false"}).json()
+    step = alone["last_step"]
+    # One token: each needed expert serves one routing.
+    assert step["tokens"] == 1 and alone["batch_size"] == 1
+    assert step["expert_uses"] == top_k * layers == step["experts_needed"]
+    assert step["uses_per_needed_expert"] == 1.0
+    assert 0 <= step["expert_reads"] <= step["experts_needed"]
+
+    threads = [threading.Thread(target=chat, args=(moe_server, 48)) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    shared = []
+    while any(thread.is_alive() for thread in threads):
+        step = http.get("/cache/stats", params={"layers": "false"}).json()["last_step"]
+        assert step["expert_uses"] == step["tokens"] * top_k * layers
+        assert step["experts_needed"] <= step["expert_uses"]
+        if step["tokens"] == 3:
+            shared.append(step)
+        time.sleep(0.005)
+    for thread in threads:
+        thread.join()
+    # A decode step of three sequences looks each needed expert up once.
+    assert shared, "no poll saw a step of the whole batch"
+    assert all(s["experts_needed"] <= min(3 * top_k, config["num_experts"]) * layers
+               for s in shared)
+    assert max(s["uses_per_needed_expert"] for s in shared) > 1.0
+
+
 def test_routing_trace_is_written(moe_server: Server) -> None:
     chat(moe_server, tokens=4)
     trace = moe_server.workdir / "routing.jsonl"  # type: ignore[attr-defined]

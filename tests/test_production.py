@@ -324,6 +324,15 @@ def test_metrics_parse(secured: Server) -> None:
         >= 11
     )
     assert after["flashserve_time_to_first_token_seconds"].type == "histogram"
+    # One observation per decode step; requests one at a time run batches of one.
+    assert after["flashserve_decode_batch_size"].type == "histogram"
+    def grown(suffix: str, **labels: str) -> float:
+        name = "flashserve_decode_batch_size"
+        return sample(after, name, suffix, **labels) - sample(before, name, suffix, **labels)
+
+    assert grown("_count") >= 12
+    assert grown("_bucket", le="1") == grown("_bucket", le="+Inf") == grown("_count")
+    assert grown("_sum") == grown("_count")
     assert after["flashserve_queue_depth"].type == "gauge"
     assert sample(after, "flashserve_queue_depth") == 0
     assert sample(after, "flashserve_model_ready") == 1
@@ -354,7 +363,7 @@ def test_expert_cache_and_memory_metrics_match_their_endpoints(
         assert answer.status_code == 200, answer.text
         server.wait_idle(10)
         families = scrape(server)
-        cache = stats_response(engine.loaded, layers=False)
+        cache = stats_response(engine, layers=False)
         memory = memory_report(engine.loaded)
     assert cache.enabled and cache.since_start is not None
     assert sample(families, "flashserve_expert_cache_enabled") == 1
@@ -365,6 +374,10 @@ def test_expert_cache_and_memory_metrics_match_their_endpoints(
     assert cache.since_start.misses > 0
     assert sample(families, "flashserve_expert_cache_capacity_slots") == cache.capacity_slots == 6
     assert sample(families, "flashserve_expert_cache_occupancy_slots") == cache.occupancy_slots
+    assert cache.last_step is not None
+    assert sample(families, "flashserve_expert_cache_last_step_expert_uses") == (
+        cache.last_step.expert_uses
+    )
     assert sample(families, "flashserve_memory_resident_layers_count") == len(
         memory.resident_layers
     ) == 2  # fmt: skip

@@ -17,8 +17,9 @@ from fastapi import APIRouter, Depends, Query
 from pydantic import BaseModel, Field
 
 from engine.loader import LoadedModel
+from engine.worker import Engine
 
-from ..deps import ready_model
+from ..deps import get_engine, ready_model
 
 router = APIRouter(tags=["cache"])
 
@@ -68,6 +69,20 @@ class CacheStatsView(BaseModel):
     layers: list[LayerCacheStats] | None = None
 
 
+class CacheStepView(BaseModel):
+    tokens: int = Field(description="tokens in the last step: the sequences of a decode step")
+    expert_uses: int = Field(description="(token, expert) routings over all MoE layers")
+    experts_needed: int = Field(
+        description="distinct experts per layer, summed: each is looked up and loaded once "
+        "for the whole batch"
+    )
+    expert_reads: int = Field(description="needed experts read from disk on demand")
+    bytes_read: int
+    uses_per_needed_expert: float = Field(
+        description="expert_uses / experts_needed: how many routings one load served"
+    )
+
+
 class CacheStatsResponse(BaseModel):
     enabled: bool = Field(description="false: this model runs without an expert cache")
     policy: str | None = None
@@ -85,32 +100,41 @@ class CacheStatsResponse(BaseModel):
     uptime_s: float | None = None
     since_start: CacheStatsView | None = None
     window: CacheStatsView | None = None
+    batch_size: int | None = Field(None, description="sequences in the last decode step")
+    last_step: CacheStepView | None = Field(
+        None,
+        description="the last finished forward pass (layers whose every expert is cached "
+        "are counted two steps late)",
+    )
 
 
-def stats_response(loaded: LoadedModel, layers: bool = True) -> CacheStatsResponse:
-    offload = getattr(loaded, "experts", None)
+def stats_response(engine: Engine, layers: bool = True) -> CacheStatsResponse:
+    offload = getattr(engine.loaded, "experts", None)
     if offload is None:
         return CacheStatsResponse(enabled=False)
     data = asdict(offload.snapshot())
     if not layers:
         data["since_start"]["layers"] = None
         data["window"]["layers"] = None
-    return CacheStatsResponse(enabled=True, **data)
+    return CacheStatsResponse(enabled=True, batch_size=engine.stats.batch_size, **data)
 
 
 @router.get("/cache/stats", response_model=CacheStatsResponse, response_model_exclude_none=False)
 @router.get("/v1/cache/stats", response_model=CacheStatsResponse, include_in_schema=False)
 async def cache_stats(
-    loaded: LoadedModel = Depends(ready_model),
+    _: LoadedModel = Depends(ready_model),
+    engine: Engine = Depends(get_engine),
     layers: bool = Query(True, description="include per-layer counters"),
 ) -> CacheStatsResponse:
-    return stats_response(loaded, layers)
+    return stats_response(engine, layers)
 
 
 @router.post("/cache/stats/reset", response_model=CacheStatsResponse)
 @router.post("/v1/cache/stats/reset", response_model=CacheStatsResponse, include_in_schema=False)
-async def reset_window(loaded: LoadedModel = Depends(ready_model)) -> CacheStatsResponse:
+async def reset_window(
+    loaded: LoadedModel = Depends(ready_model), engine: Engine = Depends(get_engine)
+) -> CacheStatsResponse:
     offload = getattr(loaded, "experts", None)
     if offload is not None:
         offload.reset_window()
-    return stats_response(loaded, layers=False)
+    return stats_response(engine, layers=False)
