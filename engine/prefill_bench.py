@@ -17,7 +17,7 @@ import mlx.nn as nn
 
 from . import blas
 from .config import EngineConfig
-from .prompt_matmul import PromptQuantizedLinear
+from .prompt_matmul import use_blas_for_prompts
 
 log = logging.getLogger(__name__)
 
@@ -55,10 +55,13 @@ def prefill_seconds(model: nn.Module, length: int, repeats: int) -> float:
     return best
 
 
-def _set_path(model: nn.Module, cls: type[nn.QuantizedLinear]) -> None:
+def _set_path(model: nn.Module, blas_path: bool) -> None:
+    """MLX's kernel everywhere, or what `serve` does (engine/prompt_matmul.py)."""
     for _, module in model.named_modules():
         if isinstance(module, nn.QuantizedLinear):
-            module.__class__ = cls
+            module.__class__ = nn.QuantizedLinear
+    if blas_path:
+        use_blas_for_prompts(model)
 
 
 def run(work_dir: Path, *, quick: bool = False) -> None:
@@ -82,8 +85,8 @@ def run(work_dir: Path, *, quick: bool = False) -> None:
         prefill_seconds(model, 8, 1)  # warm up
         for length in lengths:
             times = {}
-            for name, cls in (("kernel", nn.QuantizedLinear), ("blas", PromptQuantizedLinear)):
-                _set_path(model, cls)
+            for name, blas_path in (("kernel", False), ("blas", True)):
+                _set_path(model, blas_path)
                 times[name] = prefill_seconds(model, length, repeats)
             log.info(
                 "%s, %d tokens: kernel %.3f s, dequantize + BLAS %.3f s",

@@ -65,12 +65,16 @@ def use_blas_for_prompts(model: nn.Module) -> int:
     The modules change class in place: their arrays, freeze state, and the
     references the layer streamer holds stay as they are. Returns how many
     modules changed (0 on a GPU).
+
+    The LM head keeps MLX's kernel: prefill discards the logits of a prompt
+    chunk, so MLX never computes them, but the slice-by-slice evaluation
+    above would compute them all (a 128k-vocabulary head over 512 tokens).
     """
     if mx.default_device() != mx.cpu:
         return 0
     changed = 0
-    for _, module in model.named_modules():
-        if type(module) is nn.QuantizedLinear:
+    for name, module in model.named_modules():
+        if type(module) is nn.QuantizedLinear and name.split(".")[-1] != "lm_head":
             module.__class__ = PromptQuantizedLinear
             changed += 1
     return changed

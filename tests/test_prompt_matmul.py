@@ -67,10 +67,14 @@ def test_weight_is_dequantized_in_slices(monkeypatch):
 
 
 def test_loaded_quantized_model_uses_it_and_keeps_its_output(tmp_path):
-    path = make_model_dir(tmp_path / "q4", "llama", quantize_bits=4)
+    path = make_model_dir(tmp_path / "q4", "llama", quantize_bits=4)  # an untied LM head
     loaded = load(EngineConfig(model=str(path)))
-    modules = [m for _, m in loaded.model.named_modules() if isinstance(m, nn.QuantizedLinear)]
-    assert modules and all(type(m) is PromptQuantizedLinear for m in modules)
+    named = dict(loaded.model.named_modules())
+    # The head's prompt logits are thrown away, so it keeps the lazy kernel path.
+    assert type(named["lm_head"]) is nn.QuantizedLinear
+    modules = [m for n, m in named.items() if isinstance(m, nn.QuantizedLinear) and n != "lm_head"]
+    assert len(modules) == 7 * loaded.config["num_hidden_layers"]
+    assert all(type(m) is PromptQuantizedLinear for m in modules)
     prompt = mx.array([list(range(3, 40))])
     logits = loaded.model(prompt)
     for module in modules:
