@@ -1,0 +1,26 @@
+"""flashserve.engine: everything that touches MLX. It never imports flashserve.server.
+
+Subpackages, from the bottom up (each may import those above it in this list,
+never those below):
+
+- `config`       EngineConfig, the engine's knobs (a dataclass; no MLX).
+- `compute`      how MLX computes on this machine: the BLAS behind float
+                 matmuls, dequantize + BLAS for quantized prompt matmuls.
+- `weights`      where weights come from and how they lie on disk: GGUF,
+                 mlx-lm directories, the prepared (streaming) layout and
+                 `prepare`, tokenizers, synthetic test models.
+- `experts`      MoE experts on SSD: store (pread), cache and policies, the
+                 offloaded SwitchGLU, stats, routing traces and their replay.
+- `streaming`    decoder layers on SSD: the layer streamer, residency planning
+                 and shedding, memory probes, disk helpers, loading a prepared
+                 directory (which may install the expert cache).
+- `loader`       a model spec -> LoadedModel, choosing among the above.
+- `generation`   the worker thread and its requests, events, samplers, stop
+                 strings and constrained-decoding processors.
+- `bench`        `flashserve bench` and its sections; imports any of the above.
+"""
+
+# Only ever imported as flashserve.engine: a second copy under a bare "engine" name (a
+# script run from the repository root) would hold its own engine state and classes.
+if __name__ != "flashserve.engine":
+    raise ImportError(f"import flashserve.engine, not {__name__} (pip install -e .)")

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 class EngineConfig:
     model: str | None = None  # None: the bundled default model
     model_id: str | None = None  # name reported by /v1/models; default: derived from path
-    # Layer streaming (prepared models only; see engine/prepare.py)
+    # Layer streaming (prepared models only; see engine/weights/prepare.py)
     resident_layers: int | None = None  # None with residency="all": keep every layer
     memory_budget: int | None = None  # bytes; alternative to resident_layers
     residency: str = "all"  # all | fixed | auto

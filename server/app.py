@@ -14,12 +14,11 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from engine.worker import Engine
-
-from .errors import install_error_handlers
-from .production import install_production
-from .routes import cache, chat, completions, health, memory, models
-from .settings import Settings
+from flashserve.engine.generation.worker import Engine
+from flashserve.server.http.errors import install_error_handlers
+from flashserve.server.http.production import install_production
+from flashserve.server.routes import cache, chat, completions, health, memory, metrics, models
+from flashserve.server.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +42,19 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
     app.state.engine = engine
     app.state.started_at = int(time.time())
     install_error_handlers(app)
-    for module in (health, models, chat, completions, memory, cache):
+    for module in (health, models, chat, completions, memory, cache, metrics):
         app.include_router(module.router)
-    # API key, CORS, body limit, request ids, /metrics, time limit, shutdown drain.
+    # API key, CORS, body limit, request ids, metrics, time limit, shutdown drain.
     install_production(app, settings, engine)
+    # /metrics also serves what /cache/stats and /memory do, so they never disagree.
+    app.state.metrics.add_source(
+        "expert_cache",
+        lambda: cache.metric_numbers(engine),
+        "MoE expert cache, as GET /cache/stats",
+    )
+    app.state.metrics.add_source(
+        "memory",
+        lambda: memory.metric_numbers(engine),
+        "Memory and layer residency, as GET /memory",
+    )
     return app

@@ -1,9 +1,9 @@
-"""From validated request fields to a running generation, and from its events to text.
+"""The server's client of the engine: submit a generation, read it as text, cancel it.
 
-Shared by the chat and completions routes: sampling parameters, the context
-budget (max_tokens against the model's context length, checked before any
-generation), submitting to the engine, reading the events as text pieces, and
-cancelling when the client goes away.
+Shared by every endpoint that generates: the context budget (max_tokens
+against the model's context length, checked before any generation),
+submitting to the engine, reading the events as text pieces, cancelling when
+the client goes away, and the SSE wrapper of a streamed response.
 """
 
 from __future__ import annotations
@@ -17,23 +17,18 @@ from contextlib import asynccontextmanager
 
 from fastapi import Request
 
-from engine.requests import (
+from flashserve.engine.generation.requests import (
     DoneEvent,
     ErrorEvent,
     GenerationRequest,
     RequestHandle,
-    SamplingParams,
     TokenEvent,
 )
-from engine.worker import Engine
-
-from .errors import SERVER_ERROR, APIError, invalid_request
-from .lifecycle import RequestTracker
-from .schemas import SamplingFields, Usage
+from flashserve.engine.generation.worker import Engine
+from flashserve.server.http.errors import SERVER_ERROR, APIError, invalid_request
+from flashserve.server.http.lifecycle import RequestTracker
 
 log = logging.getLogger(__name__)
-
-DEFAULT_TEMPERATURE = 1.0  # the OpenAI API's default
 
 
 def new_id(prefix: str) -> str:
@@ -42,35 +37,6 @@ def new_id(prefix: str) -> str:
 
 def now() -> int:
     return int(time.time())
-
-
-def sampling_params(body: SamplingFields, vocab_size: int) -> SamplingParams:
-    bias: dict[int, float] | None = None
-    if body.logit_bias:
-        bias = {}
-        for key, value in body.logit_bias.items():
-            token = int(key)
-            if not 0 <= token < vocab_size:
-                raise invalid_request(
-                    f"logit_bias names token id {token}, outside the vocabulary "
-                    f"(0..{vocab_size - 1}).",
-                    "logit_bias",
-                    "invalid_value",
-                )
-            bias[token] = float(value)
-    return SamplingParams(
-        temperature=DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        # top_k at or above the vocabulary size keeps every token: the same as off.
-        top_k=body.top_k if body.top_k and 0 < body.top_k < vocab_size else 0,
-        min_p=body.min_p or 0.0,
-        # OpenAI seeds are signed 64-bit; MLX keys take unsigned ones.
-        seed=None if body.seed is None else body.seed % 2**64,
-        presence_penalty=body.presence_penalty or 0.0,
-        frequency_penalty=body.frequency_penalty or 0.0,
-        repetition_penalty=body.repetition_penalty or 1.0,
-        logit_bias=bias,
-    )
 
 
 def completion_budget(
@@ -139,13 +105,6 @@ class Generation:
                 self.outcome = event
             elif isinstance(event, ErrorEvent):
                 raise APIError(500, event.message, type=event.type, code=event.code)
-
-    def usage(self) -> Usage:
-        assert self.outcome is not None
-        prompt, completion = self.outcome.prompt_tokens, self.outcome.completion_tokens
-        return Usage(
-            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
-        )
 
     def cancel(self) -> None:
         self.handle.cancel()

@@ -20,7 +20,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from engine.config import EngineConfig
+from flashserve.engine.config import EngineConfig
 
 ENV_PREFIX = "FLASHSERVE_"
 CONFIG_ENV = ENV_PREFIX + "CONFIG"
@@ -83,7 +83,9 @@ class Settings(BaseSettings):
     )
 
     # Tools and reasoning
-    tool_parser: str | None = Field(None, description="override the parser chosen from the template")
+    tool_parser: str | None = Field(
+        None, description="override the parser chosen from the template"
+    )
     reasoning_parser: str | None = Field(None, description="'none' turns reasoning parsing off")
 
     # Production
@@ -103,16 +105,18 @@ class Settings(BaseSettings):
     @field_validator("tool_parser")
     @classmethod
     def _tool_parser(cls, value: str | None) -> str | None:
-        from .tool_parsers import available
+        from flashserve.server.chat.tool_parsers import available
 
         if value is not None and value != "auto" and value not in available():
-            raise ValueError(f"unknown tool parser {value!r} (known: auto, {', '.join(available())})")
+            raise ValueError(
+                f"unknown tool parser {value!r} (known: auto, {', '.join(available())})"
+            )
         return value
 
     @field_validator("reasoning_parser")
     @classmethod
     def _reasoning_parser(cls, value: str | None) -> str | None:
-        from .reasoning import check_setting
+        from flashserve.server.chat.reasoning import check_setting
 
         check_setting(value)
         return value

@@ -1,6 +1,6 @@
 """Shared fixtures: tiny real models on disk, and real servers on loopback.
 
-`start_server` runs `python -m server.cli serve` in a subprocess on a free
+`start_server` runs `python -m flashserve.server.cli serve` in a subprocess on a free
 127.0.0.1 port and waits for /health; `serve_app` runs an app built in this
 process (for a test that needs its own engine) under uvicorn in a thread.
 Both are real HTTP servers: tests talk to them with httpx and the openai SDK.
@@ -24,7 +24,7 @@ import httpx
 import openai
 import pytest
 
-from engine.synthetic import SPECIAL_TOKENS, make_model_dir
+from flashserve.engine.weights.synthetic import SPECIAL_TOKENS, make_model_dir
 
 REPO = Path(__file__).resolve().parent.parent
 STARTUP_TIMEOUT_S = 180.0
@@ -88,16 +88,14 @@ class Server:
 
 
 def _clean_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FLASHSERVE_")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    return env
+    return {k: v for k, v in os.environ.items() if not k.startswith("FLASHSERVE_")}
 
 
 def start_server(model: Path | str | None, workdir: Path, *args: str) -> Server:
     """`flashserve serve` in a subprocess; returns once /health says ok."""
     port = free_port()
     log_path = workdir / f"server-{port}.log"
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1"]
+    cmd = [sys.executable, "-m", "flashserve.server.cli", "serve", "--host", "127.0.0.1"]
     cmd += ["--port", str(port), "--log-level", "info", *args]
     if model is not None:
         cmd += ["--model", str(model)]

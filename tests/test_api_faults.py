@@ -22,10 +22,10 @@ import mlx.core as mx
 import openai
 import pytest
 
-from engine.requests import GenerationRequest, RequestHandle
-from engine.worker import Engine
-from server.app import create_app
-from server.settings import load_settings
+from flashserve.engine.generation.requests import GenerationRequest, RequestHandle
+from flashserve.engine.generation.worker import Engine
+from flashserve.server.app import create_app
+from flashserve.server.settings import load_settings
 
 from .conftest import NO_EOS, Server, serve_app
 

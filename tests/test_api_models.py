@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.loader import default_model_path
+from flashserve.engine.weights.sources import default_model_path
 
 from .conftest import NO_EOS, Server, start_server, stop_server
 

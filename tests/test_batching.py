@@ -4,11 +4,17 @@ import asyncio
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.prepare import prepare
-from engine.requests import DoneEvent, ErrorEvent, GenerationRequest, SamplingParams, TokenEvent
-from engine.synthetic import make_model_dir
-from engine.worker import Engine
+from flashserve.engine.config import EngineConfig
+from flashserve.engine.generation.requests import (
+    DoneEvent,
+    ErrorEvent,
+    GenerationRequest,
+    SamplingParams,
+    TokenEvent,
+)
+from flashserve.engine.generation.worker import Engine
+from flashserve.engine.weights.prepare import prepare
+from flashserve.engine.weights.synthetic import make_model_dir
 
 QUESTIONS = ["hi", "What is the capital of France?", "tell me a story about a fox", "x y z"]
 
@@ -88,7 +94,7 @@ def test_batched_greedy_equals_alone(engine):
 
     batched = asyncio.run(together())
     assert engine.stats.steps > 0
-    for s, b in zip(solo, batched):
+    for s, b in zip(solo, batched, strict=True):
         assert tokens(b) == tokens(s)
         assert b[-1].finish_reason == s[-1].finish_reason == "length"
 

@@ -30,7 +30,9 @@ def _tables(output: str) -> dict[str, list[dict[str, str]]]:
         for row_line in lines[i + 2 :]:
             if not row_line.startswith("|"):
                 break
-            rows.append(dict(zip(header, (c.strip() for c in row_line.strip("|").split("|")))))
+            rows.append(
+                dict(zip(header, (c.strip() for c in row_line.strip("|").split("|")), strict=True))
+            )
         tables[lines[i - 1]] = rows
     return tables
 
@@ -43,7 +45,7 @@ def test_quick_bench_prints_every_section(tmp_path: Path) -> None:
     cmd = [
         sys.executable,
         "-m",
-        "server.cli",
+        "flashserve.server.cli",
         "bench",
         "--",
         "--quick",

@@ -1,4 +1,4 @@
-"""The BLAS behind MLX's float matmuls (engine/blas.py): MKL on Linux x86_64.
+"""The BLAS behind MLX's float matmuls (engine/compute/blas.py): MKL on Linux x86_64.
 
 MKL is chosen per process before mlx is imported, so these tests run fresh
 interpreters and servers. What they pin down: MKL really serves MLX's
@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine import blas
-from engine.prepare import prepare
+from flashserve.engine.compute import blas
+from flashserve.engine.weights.prepare import prepare
 
 from .conftest import NO_EOS, REPO, start_server, stop_server
 
@@ -33,7 +33,7 @@ needs_mkl = pytest.mark.skipif(
 PROBE = """
 import json, sys
 import numpy as np
-from engine import blas
+from flashserve.engine.compute import blas
 name = blas.select(sys.argv[1])
 import mlx.core as mx
 mx.set_default_device(mx.cpu)
@@ -146,7 +146,8 @@ def test_server_reports_reference_blas_when_asked(tiny_llama_dir, tmp_path):
 def test_settings_and_cli_load_without_mlx():
     """The CLI reads its settings before choosing the BLAS, so that must not load mlx."""
     code = (
-        "import sys; import server.cli; from server.settings import load_settings; "
+        "import sys; import flashserve.server.cli.main; "
+        "from flashserve.server.settings import load_settings; "
         "load_settings(None); print('mlx.core' in sys.modules)"
     )
     result = subprocess.run(

@@ -16,7 +16,8 @@ from pathlib import Path
 import openai
 import pytest
 
-from engine.prepare import prepare, read_manifest
+from flashserve.engine.weights.layout import read_manifest
+from flashserve.engine.weights.prepare import prepare
 
 from .conftest import NO_EOS, Server, start_server, stop_server
 
@@ -25,19 +26,25 @@ SLOTS = 4
 
 @pytest.fixture(scope="module")
 def prepared_moe(tiny_moe_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return prepare(str(tiny_moe_dir), tmp_path_factory.mktemp("cache-api") / "prepared",
-                   expert_bits=4)
+    return prepare(
+        str(tiny_moe_dir), tmp_path_factory.mktemp("cache-api") / "prepared", expert_bits=4
+    )
 
 
 @pytest.fixture(scope="module")
 def moe_server(prepared_moe: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     workdir = tmp_path_factory.mktemp("moe-server")
     server = start_server(
-        prepared_moe, workdir,
-        "--expert-cache", str(SLOTS),
-        "--expert-prefetch", "next-layer",
-        "--expert-policy", "lfu",
-        "--record-routing", str(workdir / "routing.jsonl"),
+        prepared_moe,
+        workdir,
+        "--expert-cache",
+        str(SLOTS),
+        "--expert-prefetch",
+        "next-layer",
+        "--expert-policy",
+        "lfu",
+        "--record-routing",
+        str(workdir / "routing.jsonl"),
     )
     server.workdir = workdir  # type: ignore[attr-defined]
     yield server
@@ -118,8 +125,9 @@ def test_last_step_shows_expert_loads_shared_by_the_batch(
         thread.join()
     # A decode step of three sequences looks each needed expert up once.
     assert shared, "no poll saw a step of the whole batch"
-    assert all(s["experts_needed"] <= min(3 * top_k, config["num_experts"]) * layers
-               for s in shared)
+    assert all(
+        s["experts_needed"] <= min(3 * top_k, config["num_experts"]) * layers for s in shared
+    )
     assert max(s["uses_per_needed_expert"] for s in shared) > 1.0
 
 

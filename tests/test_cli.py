@@ -4,14 +4,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from engine.loader import default_model_path
+from flashserve.engine.weights.sources import default_model_path
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def flashserve(*args: str, stdin: str = "", timeout: float = 180) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "server.cli", *args],
+        [sys.executable, "-m", "flashserve.server.cli", *args],
         input=stdin,
         capture_output=True,
         text=True,
@@ -23,7 +23,11 @@ def flashserve(*args: str, stdin: str = "", timeout: float = 180) -> subprocess.
 
 def test_chat_keeps_the_conversation_and_exits_on_ctrl_d(tiny_llama_dir: Path):
     proc = flashserve(
-        "chat", "--model", str(tiny_llama_dir), "--default-max-tokens", "8",
+        "chat",
+        "--model",
+        str(tiny_llama_dir),
+        "--default-max-tokens",
+        "8",
         stdin="hello\nand again\n",  # then EOF, as Ctrl-D
     )
     assert proc.returncode == 0, proc.stderr

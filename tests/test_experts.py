@@ -20,15 +20,23 @@ import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 
-from engine.config import EngineConfig
-from engine.expert_cache import LRU, Belady, Capacity, ExpertCache, LFUDecay
-from engine.expert_offload import OffloadedSwitchGLU
-from engine.expert_replay import load_trace, replay
-from engine.loader import ModelLoadError, load
-from engine.prepare import prepare, read_manifest
-from engine.requests import DoneEvent, ErrorEvent, GenerationRequest, SamplingParams, TokenEvent
-from engine.synthetic import make_model_dir
-from engine.worker import Engine
+from flashserve.engine.config import EngineConfig
+from flashserve.engine.experts.cache import LRU, Belady, Capacity, ExpertCache, LFUDecay
+from flashserve.engine.experts.install import OffloadedSwitchGLU
+from flashserve.engine.experts.replay import load_trace, replay
+from flashserve.engine.generation.requests import (
+    DoneEvent,
+    ErrorEvent,
+    GenerationRequest,
+    SamplingParams,
+    TokenEvent,
+)
+from flashserve.engine.generation.worker import Engine
+from flashserve.engine.loader import load
+from flashserve.engine.weights.layout import read_manifest
+from flashserve.engine.weights.model import ModelLoadError
+from flashserve.engine.weights.prepare import prepare
+from flashserve.engine.weights.synthetic import make_model_dir
 
 ARCHS = ["qwen3_moe", "mixtral", "qwen2_moe", "qwen3_next"]
 PROMPT = "Hello, how are you? Tell me about the capital of France."
@@ -86,9 +94,7 @@ def test_greedy_output_identical_to_resident(prepared, reference, arch, cache) -
     assert mx.allclose(logprobs, ref_logprobs, atol=1e-4).item()
     stats = loaded.experts.snapshot()
     view = stats.since_start
-    assert view.hits + view.misses == sum(
-        layer.hits + layer.misses for layer in view.layers
-    )
+    assert view.hits + view.misses == sum(layer.hits + layer.misses for layer in view.layers)
     assert view.misses > 0  # experts really came from disk
     assert stats.occupancy_slots <= int(cache)
     if cache == str(TOP_K * LAYERS):
@@ -123,7 +129,9 @@ def test_streamed_layers_with_expert_cache_and_prefetch(prepared, reference, arc
     assert 0.0 <= view.prefetch_precision <= 1.0
     assert 0.0 <= view.prefetch_recall <= 1.0
     assert view.prefetch_reads > 0
-    assert view.prefetch_wasted_bytes == view.prefetch_wasted * loaded.experts.snapshot().expert_bytes
+    assert (
+        view.prefetch_wasted_bytes == view.prefetch_wasted * loaded.experts.snapshot().expert_bytes
+    )
     assert view.prefetch_hits <= view.prefetch_reads
     loaded.experts.close()
 
@@ -367,8 +375,11 @@ def test_chunked_prefill_covers_every_routed_expert(prepared) -> None:
 
 
 def test_stacked_compute_is_identical_too(prepared, reference) -> None:
-    config = EngineConfig(model=str(prepared["mixtral"]), expert_cache=str(TOP_K * LAYERS),
-                          extra={"expert_compute": "stacked"})
+    config = EngineConfig(
+        model=str(prepared["mixtral"]),
+        expert_cache=str(TOP_K * LAYERS),
+        extra={"expert_compute": "stacked"},
+    )
     loaded = load(config)
     assert loaded.experts.stacked
     assert greedy(loaded)[0] == reference["mixtral"][0]
@@ -429,8 +440,9 @@ def test_batched_requests_through_the_engine_match_resident(prepared) -> None:
                 async def one(text: str) -> list[int]:
                     prompt = engine.loaded.tokenizer.encode(text)
                     request = GenerationRequest(prompt, 12, SamplingParams(temperature=0))
-                    return [e.token async for e in engine.submit(request)
-                            if isinstance(e, TokenEvent)]
+                    return [
+                        e.token async for e in engine.submit(request) if isinstance(e, TokenEvent)
+                    ]
 
                 return list(await asyncio.gather(*(one(t) for t in texts)))
 
@@ -440,6 +452,9 @@ def test_batched_requests_through_the_engine_match_resident(prepared) -> None:
 
     path = str(prepared["qwen3_next"])
     want = run_all(EngineConfig(model=path, max_batch=4))
-    got = run_all(EngineConfig(model=path, max_batch=4, expert_cache=str(TOP_K * LAYERS),
-                               expert_prefetch="next-layer"))
+    got = run_all(
+        EngineConfig(
+            model=path, max_batch=4, expert_cache=str(TOP_K * LAYERS), expert_prefetch="next-layer"
+        )
+    )
     assert got == want and all(len(tokens) > 0 for tokens in got)

@@ -17,9 +17,12 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer
 
-from engine.config import EngineConfig
-from engine.gguf import GGUFError, import_gguf, load_gguf
-from engine.loader import ModelLoadError, default_model_path, load
+from flashserve.engine.config import EngineConfig
+from flashserve.engine.loader import load
+from flashserve.engine.weights.gguf import import_gguf, load_gguf
+from flashserve.engine.weights.gguf_file import GGUFError
+from flashserve.engine.weights.model import ModelLoadError
+from flashserve.engine.weights.sources import default_model_path
 
 # --------------------------------------------------------------------------- GGUF writer
 
@@ -161,7 +164,7 @@ def spm_vocab() -> dict:
     ]
     # fmt: on
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
-    tokens += pieces + ["<|im_start|>"]
+    tokens += [*pieces, "<|im_start|>"]
     types = [2, 3, 3] + [6] * 256 + [1] * len(pieces) + [3]
     scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))] + [0.0]
     return {
@@ -255,7 +258,7 @@ def reference_model(config: dict, decoded: dict[str, np.ndarray]):
     """A float32 mlx-lm llama holding the dequantized values, unquantized."""
     from mlx_lm.models import llama
 
-    from engine.gguf import rename_weights
+    from flashserve.engine.weights.gguf import rename_weights
 
     args = {k: v for k, v in config.items() if k != "quantization"}
     model = llama.Model(llama.ModelArgs.from_dict(args))
@@ -268,7 +271,9 @@ def reference_model(config: dict, decoded: dict[str, np.ndarray]):
 
 def greedy(model, prompt: list[int], n: int, stop: set[int] = frozenset()) -> list[int]:
     tokens = []
-    for (token, _), _ in zip(generate_step(mx.array(prompt), model, max_tokens=n), range(n)):
+    for (token, _), _ in zip(
+        generate_step(mx.array(prompt), model, max_tokens=n), range(n), strict=False
+    ):
         tokens.append(int(token))
         if tokens[-1] in stop:
             break

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.prepare import prepare
+from flashserve.engine.weights.prepare import prepare
 from tests.conftest import NO_EOS, Server, start_server, stop_server
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -20,7 +20,10 @@ def streamed_server(prepared: Path, tmp_path_factory):
     server = start_server(
         prepared,
         tmp_path_factory.mktemp("mem-server"),
-        "--resident-layers", "2", "--placement", "interleaved",
+        "--resident-layers",
+        "2",
+        "--placement",
+        "interleaved",
     )
     yield server
     stop_server(server)
@@ -28,7 +31,10 @@ def streamed_server(prepared: Path, tmp_path_factory):
 
 def greedy(server: Server, n: int = 24) -> str:
     reply = server.client().chat.completions.create(
-        model=server.model_id, messages=QUESTION, temperature=0, max_tokens=n,
+        model=server.model_id,
+        messages=QUESTION,
+        temperature=0,
+        max_tokens=n,
         logit_bias=NO_EOS,
     )
     assert reply.usage.completion_tokens == n

@@ -14,14 +14,11 @@ from mlx.utils import tree_flatten
 from mlx_lm.utils import load as mlx_lm_load
 from mlx_lm.utils import load_model
 
-from engine.config import EngineConfig
-from engine.loader import ModelLoadError, load
-from engine.prepare import (
-    MANIFEST_NAME,
-    PrepareError,
-    prepare,
-    read_safetensors_header,
-)
+from flashserve.engine.config import EngineConfig
+from flashserve.engine.loader import load
+from flashserve.engine.weights.layout import MANIFEST_NAME, read_safetensors_header
+from flashserve.engine.weights.model import ModelLoadError
+from flashserve.engine.weights.prepare import PrepareError, prepare
 from tests.streaming_fixtures import default_gguf_prepared, prepared_model, source_model
 
 

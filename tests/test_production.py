@@ -1,7 +1,7 @@
 """Production features against real servers: API key, CORS, body limit, bounded
 queue, time limit, /metrics, request ids and the access log, SIGTERM, deploy files.
 
-Each server is `python -m server.cli serve` on a tiny random llama (whose context
+Each server is `python -m flashserve.server.cli serve` on a tiny random llama (whose context
 is raised to 64k so a generation can be made long enough to cut).
 """
 
@@ -28,10 +28,10 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.synthetic import make_model_dir
-from server.production import is_exposed
-from server.security import bearer_token, key_matches, resolve_api_key
-from server.settings import SettingsError, load_settings
+from flashserve.engine.weights.synthetic import make_model_dir
+from flashserve.server.http.production import is_exposed
+from flashserve.server.http.security import bearer_token, key_matches, resolve_api_key
+from flashserve.server.settings import SettingsError, load_settings
 
 from .conftest import NO_EOS, REPO, Server, start_server, stop_server
 
@@ -139,7 +139,7 @@ def test_api_key_sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.delenv("FLASHSERVE_API_KEY")
     assert resolve_api_key(load_settings()) is None
     key_file.write_text("\n")
-    with pytest.raises(SettingsError, match="api_key_file.*empty"):
+    with pytest.raises(SettingsError, match=r"api_key_file.*empty"):
         resolve_api_key(load_settings(api_key_file=str(key_file)))
     with pytest.raises(SettingsError, match="api_key_file"):
         resolve_api_key(load_settings(api_key_file=str(tmp_path / "missing")))
@@ -294,7 +294,7 @@ def test_metrics_parse(secured: Server) -> None:
     assert secured.http().get("/v1/models").status_code == 401
     after = scrape(secured, headers=auth())
 
-    chat = dict(route="/v1/chat/completions", method="POST", status="200")
+    chat = {"route": "/v1/chat/completions", "method": "POST", "status": "200"}
     assert after["flashserve_http_requests"].type == "counter"
     assert (
         sample(after, "flashserve_http_requests", "_total", **chat)
@@ -326,6 +326,7 @@ def test_metrics_parse(secured: Server) -> None:
     assert after["flashserve_time_to_first_token_seconds"].type == "histogram"
     # One observation per decode step; requests one at a time run batches of one.
     assert after["flashserve_decode_batch_size"].type == "histogram"
+
     def grown(suffix: str, **labels: str) -> float:
         name = "flashserve_decode_batch_size"
         return sample(after, name, suffix, **labels) - sample(before, name, suffix, **labels)
@@ -346,11 +347,11 @@ def test_expert_cache_and_memory_metrics_match_their_endpoints(
 ) -> None:
     """flashserve_expert_cache_* and flashserve_memory_* read the same snapshots as
     /cache/stats and /memory, on a streamed MoE model with an expert cache."""
-    from engine.memory import memory_report
-    from engine.prepare import prepare
-    from engine.worker import Engine
-    from server.app import create_app
-    from server.routes.cache import stats_response
+    from flashserve.engine.generation.worker import Engine
+    from flashserve.engine.streaming.memory import memory_report
+    from flashserve.engine.weights.prepare import prepare
+    from flashserve.server.app import create_app
+    from flashserve.server.routes.cache import stats_response
 
     from .conftest import serve_app
 
@@ -388,7 +389,7 @@ def test_expert_cache_and_memory_metrics_match_their_endpoints(
 
 
 def test_metrics_sources_and_isolated_registries() -> None:
-    from server.metrics import Metrics
+    from flashserve.server.http.metrics import Metrics
 
     calls = {"n": 0}
 
@@ -458,9 +459,9 @@ def test_request_id_echo_and_access_log(secured: Server) -> None:
 def test_log_prompts_and_exposed_warning(
     tiny_llama_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from engine.config import EngineConfig
-    from engine.worker import Engine
-    from server.app import create_app
+    from flashserve.engine.config import EngineConfig
+    from flashserve.engine.generation.worker import Engine
+    from flashserve.server.app import create_app
 
     from .conftest import serve_app
 

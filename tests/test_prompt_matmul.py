@@ -1,4 +1,5 @@
-"""Quantized linears run prompt tokens as dequantize + BLAS matmul (engine/prompt_matmul.py)."""
+"""Quantized linears run prompt tokens as dequantize + BLAS matmul
+(engine/compute/prompt_matmul.py)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,11 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from engine import prompt_matmul
-from engine.config import EngineConfig
-from engine.loader import load
-from engine.prompt_matmul import PromptQuantizedLinear
-from engine.synthetic import make_model_dir
+from flashserve.engine.compute import prompt_matmul
+from flashserve.engine.compute.prompt_matmul import PromptQuantizedLinear
+from flashserve.engine.config import EngineConfig
+from flashserve.engine.loader import load
+from flashserve.engine.weights.synthetic import make_model_dir
 
 
 def quantized(bias: bool, bits: int = 4, group_size: int = 32) -> nn.QuantizedLinear:

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from server.output_parser import OutputParser
-from server.reasoning import THINK, ReasoningMarkers, resolve_markers
+from flashserve.server.chat.output_parser import OutputParser
+from flashserve.server.chat.reasoning import THINK, ReasoningMarkers, resolve_markers
 
 from .conftest import Server
 from .scripted import FIXTURES, make_templated_model, script, scripted_server
@@ -78,7 +78,10 @@ def test_reasoning_before_a_tool_call(qwen3: Server) -> None:
             },
         }
     ]
-    text = '<think>I will add.</think>\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 2}}\n</tool_call>'
+    text = (
+        "<think>I will add.</think>\n<tool_call>\n"
+        '{"name": "add", "arguments": {"a": 2, "b": 2}}\n</tool_call>'
+    )
     response = ask(qwen3, text, tools=tools)
     message = response.choices[0].message
     assert getattr(message, "reasoning_content", None) == "I will add."
@@ -101,7 +104,7 @@ def test_reasoning_parser_none_keeps_the_markers(qwen3_dir: Path) -> None:
 def test_template_that_opens_the_reasoning_block(tmp_path: Path) -> None:
     """DeepSeek-R1 / Qwen3.5-style templates end the prompt with `<think>`:
     the reply starts mid-thought and only `</think>` appears in it."""
-    from engine.synthetic import make_model_dir
+    from flashserve.engine.weights.synthetic import make_model_dir
 
     template = (
         (FIXTURES / "qwen3.jinja")
@@ -168,8 +171,8 @@ def test_constraint_waits_for_an_opened_reasoning_block_to_close(qwen3_dir: Path
     import mlx.core as mx
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-    from engine.constraints import GrammarProcessor, compile_grammar
-    from server.structured import response_format_grammar
+    from flashserve.engine.generation.constraints import GrammarProcessor, compile_grammar
+    from flashserve.server.chat.structured import response_format_grammar
 
     tokenizer = load_tokenizer(qwen3_dir)
     grammar = compile_grammar(tokenizer, response_format_grammar({"type": "object"}).text())

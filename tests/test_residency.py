@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.loader import ModelLoadError
-from engine.residency import ResidencyManager, place, plan_residency
+from flashserve.engine.config import EngineConfig
+from flashserve.engine.streaming.residency import ResidencyManager, place, plan_residency
+from flashserve.engine.weights.model import ModelLoadError
 
 MB = 1024 * 1024
 GB = 1024 * MB

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from server.settings import Settings, SettingsError, load_settings, parse_size
+from flashserve.server.settings import Settings, SettingsError, load_settings, parse_size
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -81,7 +81,7 @@ def test_engine_config_takes_matching_fields():
 )
 def test_cli_bad_input_is_one_line_and_exit_2(args, needle):
     proc = subprocess.run(
-        [sys.executable, "-m", "server.cli", *args],
+        [sys.executable, "-m", "flashserve.server.cli", *args],
         capture_output=True,
         text=True,
         timeout=60,

@@ -16,11 +16,13 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.utils import load as mlx_lm_load
 
-from engine.config import EngineConfig
-from engine.loader import ModelLoadError, load
-from engine.memory import kv_cache_nbytes, memory_report
-from engine.residency import place
-from engine.streaming import StreamedLayer, StreamStats, is_streamed, load_prepared
+from flashserve.engine.config import EngineConfig
+from flashserve.engine.loader import load
+from flashserve.engine.streaming.memory import kv_cache_nbytes, memory_report
+from flashserve.engine.streaming.prepared import load_prepared
+from flashserve.engine.streaming.residency import place
+from flashserve.engine.streaming.streamer import StreamedLayer, StreamStats, is_streamed
+from flashserve.engine.weights.model import ModelLoadError
 from tests.streaming_fixtures import big_llama, default_gguf_prepared, prepared_model, source_model
 
 TOKENS = 32

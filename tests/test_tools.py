@@ -18,11 +18,11 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from engine.constraints import compile_grammar, literal
-from server.output_parser import OutputParser
-from server.reasoning import THINK
-from server.structured import ToolChoice, tool_call_grammar
-from server.tool_parsers import get_format, infer_format_name
+from flashserve.engine.generation.constraints import compile_grammar, literal
+from flashserve.server.chat.output_parser import OutputParser
+from flashserve.server.chat.reasoning import THINK
+from flashserve.server.chat.structured import ToolChoice, tool_call_grammar
+from flashserve.server.chat.tool_parsers import get_format, infer_format_name
 
 from .conftest import TINY_EOS, Server, start_server, stop_server
 from .scripted import make_templated_model, script, scripted_server
@@ -140,7 +140,8 @@ def test_tool_call_round_trip(qwen3: Server, qwen3_dir: Path) -> None:
     assert call.id.startswith("call_") and call.type == "function"
 
     # The call and its result go back through the chat template.
-    history = ASK + [
+    history = [
+        *ASK,
         choice.message.model_dump(exclude_none=True),
         {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 21}'},
     ]
@@ -149,8 +150,8 @@ def test_tool_call_round_trip(qwen3: Server, qwen3_dir: Path) -> None:
     assert second.choices[0].message.tool_calls is None
     assert second.choices[0].finish_reason == "stop"
     expected = AutoTokenizer.from_pretrained(qwen3_dir).apply_chat_template(
-        ASK
-        + [
+        [
+            *ASK,
             {
                 "role": "assistant",
                 "content": "",
@@ -274,7 +275,7 @@ def test_named_tool_choice_calls_that_tool(qwen3: Server) -> None:
 def test_malformed_tool_output_comes_back_as_content(
     qwen3: Server, text: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger="server.output_parser"):
+    with caplog.at_level(logging.WARNING, logger="flashserve.server.chat.output_parser"):
         response = ask(qwen3, tools=TOOLS, **script(text))
         final, _ = ask_streaming(qwen3, tools=TOOLS, **script(text))
     for message in (response.choices[0].message, final.choices[0].message):
@@ -287,7 +288,8 @@ def test_malformed_tool_output_comes_back_as_content(
 def test_bad_tool_requests_are_400_error_objects(qwen3: Server) -> None:
     http = qwen3.http()
     nameless = {"type": "function", "function": {"description": "no name"}}
-    bad_args = ASK + [
+    bad_args = [
+        *ASK,
         {
             "role": "assistant",
             "tool_calls": [
@@ -369,7 +371,8 @@ def test_mistral_tool_calls_and_round_trip(mistral: Server) -> None:
 def test_hermes_template_round_trip_and_required(hermes: Server) -> None:
     first = ask(hermes, tools=TOOLS, **script(hermes_call("get_time", {"zone": "UTC"})))
     assert calls_of(first.choices[0].message) == [("get_time", {"zone": "UTC"})]
-    history = ASK + [
+    history = [
+        *ASK,
         first.choices[0].message.model_dump(exclude_none=True),
         {
             "role": "tool",
@@ -398,7 +401,8 @@ def test_hermes_template_round_trip_and_required(hermes: Server) -> None:
         ),
         (
             "mistral",
-            '[TOOL_CALLS]get_time[ARGS]{"zone": "UTC"}[TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}',
+            '[TOOL_CALLS]get_time[ARGS]{"zone": "UTC"}'
+            '[TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}',
             [("get_time", {"zone": "UTC"}), ("get_weather", {"city": "Rome"})],
         ),
         (
@@ -442,7 +446,7 @@ def test_forcing_grammars_accept_what_the_parser_reads(fmt: str, qwen3_dir: Path
     import numpy as np
     from llguidance import LLMatcher
 
-    from engine.constraints import ll_tokenizer
+    from flashserve.engine.generation.constraints import ll_tokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(qwen3_dir)
     grammar = tool_call_grammar(

@@ -5,11 +5,17 @@ import asyncio
 import mlx.core as mx
 import pytest
 
-from engine.config import EngineConfig
-from engine.requests import DoneEvent, ErrorEvent, GenerationRequest, SamplingParams, TokenEvent
-from engine.stops import StopMatcher
-from engine.synthetic import make_model_dir
-from engine.worker import Engine, QueueFullError
+from flashserve.engine.config import EngineConfig
+from flashserve.engine.generation.requests import (
+    DoneEvent,
+    ErrorEvent,
+    GenerationRequest,
+    SamplingParams,
+    TokenEvent,
+)
+from flashserve.engine.generation.stops import StopMatcher
+from flashserve.engine.generation.worker import Engine, QueueFullError
+from flashserve.engine.weights.synthetic import make_model_dir
 
 
 @pytest.fixture(scope="module")

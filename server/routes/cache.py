@@ -12,14 +12,13 @@ A model without an expert cache answers 200 with `enabled: false`.
 from __future__ import annotations
 
 from dataclasses import asdict
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Query
+from fastapi import APIRouter, Query
 from pydantic import BaseModel, Field
 
-from engine.loader import LoadedModel
-from engine.worker import Engine
-
-from ..deps import get_engine, ready_model
+from flashserve.engine.generation.worker import Engine
+from flashserve.server.http.deps import EngineDep, ReadyModel
 
 router = APIRouter(tags=["cache"])
 
@@ -122,19 +121,52 @@ def stats_response(engine: Engine, layers: bool = True) -> CacheStatsResponse:
 @router.get("/cache/stats", response_model=CacheStatsResponse, response_model_exclude_none=False)
 @router.get("/v1/cache/stats", response_model=CacheStatsResponse, include_in_schema=False)
 async def cache_stats(
-    _: LoadedModel = Depends(ready_model),
-    engine: Engine = Depends(get_engine),
-    layers: bool = Query(True, description="include per-layer counters"),
+    _: ReadyModel,
+    engine: EngineDep,
+    layers: Annotated[bool, Query(description="include per-layer counters")] = True,
 ) -> CacheStatsResponse:
     return stats_response(engine, layers)
 
 
 @router.post("/cache/stats/reset", response_model=CacheStatsResponse)
 @router.post("/v1/cache/stats/reset", response_model=CacheStatsResponse, include_in_schema=False)
-async def reset_window(
-    loaded: LoadedModel = Depends(ready_model), engine: Engine = Depends(get_engine)
-) -> CacheStatsResponse:
+async def reset_window(loaded: ReadyModel, engine: EngineDep) -> CacheStatsResponse:
     offload = getattr(loaded, "experts", None)
     if offload is not None:
         offload.reset_window()
     return stats_response(engine, layers=False)
+
+
+# since-start fields of the expert cache that only ever grow
+_CACHE_CUMULATIVE = {
+    "tokens",
+    "forwards",
+    "token_seconds",
+    "hits",
+    "prefetch_hits",
+    "misses",
+    "evictions",
+    "bytes_read",
+    "blocked_s",
+    "prefetch_reads",
+    "prefetch_bytes",
+    "prefetch_wasted",
+    "prefetch_wasted_bytes",
+}
+
+
+def metric_numbers(engine: Engine) -> dict[str, Any]:
+    """/cache/stats for /metrics (server/http/metrics.py), as the JSON endpoint serves it,
+    without per-layer lists: counters since start, gauges for the
+    occupancy and for the last-N-tokens window."""
+    from flashserve.server.routes.cache import stats_response
+
+    if getattr(engine, "loaded", None) is None:
+        return {}
+    data = stats_response(engine, layers=False).model_dump()
+    since = data.pop("since_start", None) or {}
+    for key, value in since.items():
+        data[f"{key}_total" if key in _CACHE_CUMULATIVE else f"lifetime_{key}"] = value
+    data.pop("moe_layers", None)  # a list of layer indices: its count is in the config
+    data.pop("batch_size", None)  # the engine's own flashserve_batch_size
+    return data

@@ -6,17 +6,27 @@ a cancelled generation free the worker.
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends
+from typing import Any, Literal
+
+from fastapi import APIRouter
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 
-from engine import blas
-from engine.worker import Engine
-
-from ..deps import get_engine
-from ..errors import not_ready
-from ..schemas import Health
+from flashserve.engine.compute import blas
+from flashserve.server.http.deps import EngineDep
+from flashserve.server.http.errors import ErrorDetail, not_ready
 
 router = APIRouter(tags=["health"])
+
+
+class Health(BaseModel):
+    status: Literal["ok", "loading", "failed", "stopped"]
+    model: str | None = None
+    busy: bool = False  # a generation is running or waiting
+    queued: int = 0
+    stats: dict[str, Any] | None = None  # engine.stats_dict() when loaded
+    blas: str | None = None  # what serves float matmuls: mkl, reference or accelerate
+    error: ErrorDetail | None = None  # set when status is not ok (503)
 
 
 @router.get(
@@ -25,7 +35,7 @@ router = APIRouter(tags=["health"])
     response_model_exclude_none=True,
     responses={503: {"model": Health}},
 )
-async def health(engine: Engine = Depends(get_engine)) -> Health | JSONResponse:
+async def health(engine: EngineDep) -> Health | JSONResponse:
     if engine.state == "ready" and engine.loaded is not None:
         stats = engine.stats_dict()
         return Health(

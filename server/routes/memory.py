@@ -6,14 +6,14 @@ runs MLX work, and never waits on the worker.
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends
+from typing import Any
+
+from fastapi import APIRouter
 from pydantic import BaseModel, Field
 
-from engine.loader import LoadedModel
-from engine.memory import memory_report
-from engine.worker import Engine
-
-from ..deps import get_engine, ready_model
+from flashserve.engine.generation.worker import Engine
+from flashserve.engine.streaming.memory import memory_report
+from flashserve.server.http.deps import EngineDep, ReadyModel
 
 router = APIRouter(tags=["memory"])
 
@@ -51,9 +51,7 @@ class MemoryResponse(BaseModel):
 
 
 @router.get("/memory", response_model=MemoryResponse)
-def get_memory(
-    loaded: LoadedModel = Depends(ready_model), engine: Engine = Depends(get_engine)
-) -> MemoryResponse:
+def get_memory(loaded: ReadyModel, engine: EngineDep) -> MemoryResponse:
     stats = engine.stats
     report = memory_report(loaded, kv_cache_bytes=stats.kv_cache_bytes)
     batch = BatchView(
@@ -65,3 +63,13 @@ def get_memory(
         last_step_read_bytes_per_sequence=stats.last_step_read_bytes / max(stats.batch_size, 1),
     )
     return MemoryResponse(**report.to_dict(), batch=batch)
+
+
+def metric_numbers(engine: Engine) -> dict[str, Any]:
+    """The /memory report for /metrics (server/http/metrics.py): RSS, system and MLX
+    memory, resident vs streamed layers, streaming stats (nested dicts become
+    name_key gauges, lists their lengths)."""
+    loaded = getattr(engine, "loaded", None)
+    if loaded is None:
+        return {}
+    return memory_report(loaded, kv_cache_bytes=engine.stats.kv_cache_bytes).to_dict()

@@ -1,4 +1,4 @@
-"""GET /metrics: Prometheus text format from the app's own registry (server/metrics.py)."""
+"""GET /metrics: Prometheus text format from the app's own registry (server/http/metrics.py)."""
 
 from __future__ import annotations
 

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 
-from engine.loader import LoadedModel
-
-from ..deps import check_model, get_settings, ready_model
-from ..schemas import ModelCard, ModelList
-from ..settings import Settings
+from flashserve.engine.weights.model import LoadedModel
+from flashserve.server.http.deps import ReadyModel, SettingsDep, check_model
+from flashserve.server.openai.protocol import ModelCard, ModelList
 
 router = APIRouter(tags=["models"])
 
@@ -22,7 +20,7 @@ def _card(request: Request, loaded: LoadedModel) -> ModelCard:
 
 
 @router.get("/v1/models", response_model=ModelList)
-async def list_models(request: Request, loaded: LoadedModel = Depends(ready_model)) -> ModelList:
+async def list_models(request: Request, loaded: ReadyModel) -> ModelList:
     return ModelList(data=[_card(request, loaded)])
 
 
@@ -30,8 +28,8 @@ async def list_models(request: Request, loaded: LoadedModel = Depends(ready_mode
 async def get_model(
     model_id: str,
     request: Request,
-    loaded: LoadedModel = Depends(ready_model),
-    settings: Settings = Depends(get_settings),
+    loaded: ReadyModel,
+    settings: SettingsDep,
 ) -> ModelCard:
     check_model(model_id, loaded, settings)
     return _card(request, loaded)

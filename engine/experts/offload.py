@@ -1,0 +1,562 @@
+"""MoE expert offload: every SwitchGLU's experts live on SSD behind an ExpertCache.
+
+`install_expert_offload` (experts/install.py) replaces the `switch_mlp` (mlx-lm's SwitchGLU) of
+every MoE block with an `OffloadedSwitchGLU`. Routers, shared experts,
+attention, norms stay where the model (or the layer-streaming plan) keeps
+them. A call receives `(x, indices)` exactly like SwitchGLU.__call__ and:
+
+1. evaluates the router's indices (one sync per MoE layer: the ids decide what
+   to read, so this sync cannot be avoided) — together with the next MoE
+   layer's predicted experts when prefetch is on, so that costs no extra sync;
+2. looks every needed expert up in the cache; misses are read in parallel
+   (ExpertStore, pread on a thread pool), next-layer predictions start
+   reading right after them;
+3. runs the original SwitchGLU code (the module is kept as a template whose
+   expert tensors are swapped in for the call) once per needed expert, on the
+   token slots routed to it, with that expert's tensors as a one-expert stack
+   (`w[None]`: a view, no copy) — so the arithmetic is mlx-lm's own
+   gather_qmm / gather_mm on the same weights, and the output is bit-identical
+   to the resident model's (CPU gather_qmm computes every token slot on its
+   own; tests check the identity). `stacked = True` instead copies the needed
+   experts into one compact stack and makes a single call with remapped
+   indices (one copy of the experts per call; kept for comparison).
+
+When one call needs more experts than the cache holds (a long prompt's union
+with a small cache), the experts are processed in chunks that fit: each chunk
+is evaluated before the next chunk evicts it. No expert is ever skipped.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from flashserve.engine.experts.cache import (
+    Capacity,
+    ExpertCache,
+    Key,
+    chunk_keys,
+)
+from flashserve.engine.experts.compute import (
+    EMPTY,
+    OffloadLayer,
+    call_template,
+    per_expert,
+    restore_order,
+)
+from flashserve.engine.experts.stats import (
+    BLOCKED_SECONDS,
+    BYTES_READ,
+    CALLS,
+    DEMAND_BYTES,
+    DEMAND_SECONDS,
+    EVICTIONS,
+    HITS,
+    MISSES,
+    PREDICTED,
+    PREDICTED_ACTUAL,
+    PREDICTED_CORRECT,
+    PREFETCH_BYTES,
+    PREFETCH_HITS,
+    PREFETCH_READS,
+    PREFETCH_WASTED,
+    PREFETCH_WASTED_BYTES,
+    TOKENS,
+    USES,
+    CacheStats,
+    ExpertStats,
+)
+from flashserve.engine.experts.store import ExpertStore, ReadResult
+from flashserve.engine.experts.trace import RoutingTrace
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class CachedExpert:
+    buffer: mx.array | None  # the record as read (uint8), tensors are views of it; None: slab
+    tensors: dict[str, mx.array]
+
+
+@dataclass
+class _Prefetch:
+    future: Future[ReadResult]
+    nbytes: int
+
+
+class ExpertOffload:
+    """The expert cache of one model: store + cache + stats + prefetch + trace."""
+
+    def __init__(
+        self,
+        store: ExpertStore,
+        cache: ExpertCache,
+        layers: dict[int, OffloadLayer],
+        *,
+        prefetch: bool,
+        trace: RoutingTrace | None = None,
+        window_tokens: int = 256,
+    ) -> None:
+        self.store = store
+        self.cache = cache
+        self.layers = layers
+        self.prefetch = prefetch
+        self.trace = trace
+        self.order = sorted(layers)
+        self.first_layer = self.order[0]
+        self.nbytes = {layer: info.layout.record_bytes for layer, info in layers.items()}
+        self.stats = ExpertStats(self.order, window_tokens=window_tokens)
+        self._pending: dict[int, dict[int, _Prefetch]] = {}
+        self._predicted: dict[int, set[int]] = {}
+        self._forward = -1
+        self._token_base = 0
+        self._last_tokens = 0
+        self._closed = False
+        self.stacked = False  # see the module doc
+        total = sum(i.layout.num_experts for i in layers.values())
+        total_bytes = sum(i.layout.num_experts * i.layout.record_bytes for i in layers.values())
+        self.all_fit = cache.capacity.fits(total, total_bytes)
+        self._deferred: deque[tuple[int, int, int, mx.array]] = deque()
+
+    # -- the call -------------------------------------------------------------------
+
+    def run(self, layer: int, x: mx.array, indices: mx.array) -> mx.array:
+        info = self.layers[layer]
+        indices = mx.stop_gradient(indices)
+        if layer == self.first_layer:
+            self._new_forward(int(indices.size // indices.shape[-1]))
+        if info.slab is not None:
+            return self._run_slab(info, x, indices)
+        predicted = None
+        nxt = info.next_layer
+        if self.prefetch and nxt is not None and self.layers[nxt].router is not None:
+            predicted = self._predict(self.layers[nxt], x)
+            mx.eval(indices, predicted)
+        else:
+            mx.eval(indices)
+        ids = np.array(indices)
+        needed = self._account(layer, ids, self._forward, self._token_base)
+        self._score_prediction(layer, needed)
+        pending = self._pending.pop(layer, {})
+        keys = [(layer, int(e)) for e in needed]
+        used = {e for key in keys if key not in self.cache for e in (key[1],) if e in pending}
+        self._discard_unused(layer, pending, used)
+        chunks = chunk_keys(keys, self.cache.capacity, self.nbytes)
+        if len(chunks) > 1:
+            return self._run_chunked(info, x, ids, chunks, pending, predicted)
+        try:
+            weights = self._acquire(info, keys, pending, predicted)
+            out = self._compute(info, x, indices, ids, needed, weights)
+        finally:
+            self.cache.pinned.clear()
+        if self.all_fit and self._layer_complete(info):
+            self._make_slab(info)
+        return out
+
+    def _new_forward(self, tokens: int) -> None:
+        self._forward += 1
+        self._token_base += self._last_tokens
+        self._last_tokens = tokens
+        self.stats.forward_started(tokens)
+        # Slab layers' routing from two forwards back: computed by now (the
+        # forward after it had to finish before this one's input existed), so
+        # reading it costs no sync.
+        while self._deferred and self._deferred[0][0] <= self._forward - 2:
+            self._account_deferred(*self._deferred.popleft())
+
+    def _account(self, layer: int, ids: np.ndarray, forward: int, token_base: int) -> np.ndarray:
+        """Counters and trace for one call's routing; returns the sorted needed experts."""
+        tokens = int(ids.size // ids.shape[-1])
+        if self.trace is not None:
+            self.trace.write(forward, token_base, layer, ids)
+            if layer == self.order[-1]:
+                self.trace.flush()
+        self.stats.add_many(layer, {CALLS: 1, TOKENS: tokens, USES: int(ids.size)})
+        return np.unique(ids)
+
+    # -- fully cached layers ------------------------------------------------------------
+
+    def _layer_complete(self, info: OffloadLayer) -> bool:
+        layer = info.layer
+        return all((layer, e) in self.cache for e in range(info.layout.num_experts))
+
+    def _make_slab(self, info: OffloadLayer) -> None:
+        """Restack a fully cached layer into [E, ...] tensors (once) and run it like mlx-lm.
+
+        Only when the cache holds every expert of the model, so nothing can be
+        evicted from it afterwards (memory pressure drops whole slab layers).
+        The cache entries become views of the slab, so memory stays the same.
+        Such a layer needs no sync and no host-side ids: its counters and trace
+        lines are taken from its routing two forwards later (`_new_forward`).
+        """
+        layer = info.layer
+        count = info.layout.num_experts
+        entries = [self.cache.peek((layer, e)) for e in range(count)]
+        slab = {
+            spec.name: mx.stack([entry.tensors[spec.name] for entry in entries])
+            for spec in info.layout.tensors
+        }
+        mx.eval(slab)
+        for e in range(count):
+            views = {name: tensor[e] for name, tensor in slab.items()}
+            self.cache.replace_value((layer, e), CachedExpert(None, views))
+        info.slab = slab
+        log.debug("layer %d: every expert cached, running it on one stacked slab", layer)
+
+    def _run_slab(self, info: OffloadLayer, x: mx.array, indices: mx.array) -> mx.array:
+        assert info.slab is not None
+        self._deferred.append((self._forward, self._token_base, info.layer, indices))
+        for module, key, name in info.slots:
+            module[key] = info.slab[name]
+        try:
+            return info.template(x, indices)
+        finally:
+            for module, key, _ in info.slots:
+                module[key] = EMPTY
+
+    def _account_deferred(
+        self, forward: int, token_base: int, layer: int, indices: mx.array
+    ) -> None:
+        needed = self._account(layer, np.array(indices), forward, token_base)
+        for e in needed:
+            self.cache.lookup((layer, int(e)))  # keeps the policy's view of use current
+        self.stats.add(layer, HITS, len(needed))
+
+    def flush(self) -> None:
+        """Count the deferred routing of slab layers now (worker thread; may sync)."""
+        while self._deferred:
+            self._account_deferred(*self._deferred.popleft())
+        if self.trace is not None:
+            self.trace.flush()
+
+    def _dissolve_slabs(self) -> int:
+        """Drop every slab layer's experts (memory pressure); returns bytes freed."""
+        freed = 0
+        for info in self.layers.values():
+            if info.slab is None:
+                continue
+            info.slab = None
+            for e in range(info.layout.num_experts):
+                key = (info.layer, e)
+                if key in self.cache:
+                    self.cache.evict(key)
+                    self.stats.resident(info.layer, -1, -self.nbytes[info.layer])
+                    self.stats.add(info.layer, EVICTIONS)
+                    freed += self.nbytes[info.layer]
+        return freed
+
+    def _predict(self, nxt: OffloadLayer, x: mx.array) -> mx.array:
+        out = nxt.router(x)
+        if isinstance(out, tuple):  # routers that return (indices, scores)
+            return out[0]
+        k = nxt.top_k
+        return mx.argpartition(-out, kth=k - 1, axis=-1)[..., :k]
+
+    def _score_prediction(self, layer: int, needed: np.ndarray) -> None:
+        guess = self._predicted.pop(layer, None)
+        if guess is None:
+            return
+        actual = {int(e) for e in needed}
+        self.stats.add_many(
+            layer,
+            {
+                PREDICTED: len(guess),
+                PREDICTED_CORRECT: len(guess & actual),
+                PREDICTED_ACTUAL: len(actual),
+            },
+        )
+
+    def _acquire(
+        self,
+        info: OffloadLayer,
+        keys: list[Key],
+        pending: dict[int, _Prefetch],
+        predicted: mx.array | None,
+    ) -> dict[int, dict[str, mx.array]]:
+        """Make `keys` resident and pinned; return expert -> tensors. Issues the prefetch."""
+        layer = info.layer
+        cache = self.cache
+        cache.pinned.update(k for k in keys if k in cache)
+        missing = [k for k in keys if k not in cache and k[1] not in pending]
+        demand_start = time.perf_counter()
+        futures: dict[int, Future[ReadResult]] = {}
+        if missing:
+            for key, fut in zip(missing, self.store.submit_many(missing), strict=True):
+                futures[key[1]] = fut
+        if predicted is not None:
+            self._issue_prefetch(info.next_layer, predicted)
+
+        weights: dict[int, dict[str, mx.array]] = {}
+        counts = {HITS: 0, PREFETCH_HITS: 0, MISSES: 0, EVICTIONS: 0, BLOCKED_SECONDS: 0.0}
+        fresh: list[tuple[Key, CachedExpert, int]] = []
+        try:
+            for key in keys:
+                value = cache.lookup(key)
+                if value is not None:
+                    counts[HITS] += 1
+                    weights[key[1]] = value.tensors
+                    continue
+                if key[1] in futures:
+                    fut = futures[key[1]]
+                    counts[MISSES] += 1
+                else:
+                    fut = pending[key[1]].future
+                    counts[PREFETCH_HITS] += 1
+                waited = time.perf_counter()
+                result = fut.result()  # ExpertReadError names the layer and expert
+                counts[BLOCKED_SECONDS] += time.perf_counter() - waited
+                tensors = self.store.tensors(layer, result.buffer)
+                weights[key[1]] = tensors
+                fresh.append((key, CachedExpert(result.buffer, tensors), result.nbytes))
+        except BaseException:
+            for fut in futures.values():
+                fut.cancel()
+            raise
+        if missing:
+            demand_bytes = sum(self.nbytes[layer] for _ in missing)
+            self.stats.add_many(
+                layer,
+                {
+                    DEMAND_BYTES: demand_bytes,
+                    BYTES_READ: demand_bytes,
+                    DEMAND_SECONDS: time.perf_counter() - demand_start,
+                },
+            )
+        if fresh:
+            mx.eval([c.tensors for _, c, _ in fresh])  # views of the read buffers: no copy
+            # Inserted in key order so the policy sees the same access order as a
+            # trace replay does.
+            for key, cached, nbytes in fresh:
+                self._insert(key, cached, nbytes, counts)
+        self.stats.add_many(layer, counts)
+        return weights
+
+    def _insert(self, key: Key, cached: CachedExpert, nbytes: int, counts: dict) -> None:
+        evicted = self.cache.insert(key, cached, nbytes)
+        self.cache.pinned.add(key)
+        self.stats.resident(key[0], 1, nbytes)
+        for old in evicted:
+            self.stats.resident(old[0], -1, -self.nbytes[old[0]])
+            if old[0] == key[0]:
+                counts[EVICTIONS] += 1
+            else:
+                self.stats.add(old[0], EVICTIONS)
+
+    def _discard_unused(self, layer: int, pending: dict[int, _Prefetch], used: set[int]) -> None:
+        wasted = 0
+        wasted_bytes = 0
+        for expert, item in pending.items():
+            if expert in used:
+                continue
+            if item.future.cancel():  # never started: no bytes were read
+                self.stats.add_many(
+                    layer,
+                    {PREFETCH_READS: -1, PREFETCH_BYTES: -item.nbytes, BYTES_READ: -item.nbytes},
+                )
+                continue
+            wasted += 1
+            wasted_bytes += item.nbytes
+        if wasted:
+            self.stats.add_many(
+                layer, {PREFETCH_WASTED: wasted, PREFETCH_WASTED_BYTES: wasted_bytes}
+            )
+
+    def _issue_prefetch(self, layer: int | None, predicted: mx.array) -> None:
+        if layer is None:
+            return
+        guess = {int(e) for e in np.unique(np.array(predicted))}
+        self._predicted[layer] = guess
+        pending = self._pending.setdefault(layer, {})
+        todo = [
+            (layer, e) for e in sorted(guess) if (layer, e) not in self.cache and e not in pending
+        ]
+        if not todo:
+            return
+        for key, fut in zip(todo, self.store.submit_many(todo), strict=True):
+            pending[key[1]] = _Prefetch(fut, self.nbytes[layer])
+        total = len(todo) * self.nbytes[layer]
+        self.stats.add_many(
+            layer, {PREFETCH_READS: len(todo), PREFETCH_BYTES: total, BYTES_READ: total}
+        )
+
+    # -- compute --------------------------------------------------------------------
+
+    def _compute(
+        self,
+        info: OffloadLayer,
+        x: mx.array,
+        indices: mx.array,
+        ids: np.ndarray,
+        needed: np.ndarray,
+        weights: dict[int, dict[str, mx.array]],
+    ) -> mx.array:
+        if self.stacked:
+            lut = np.zeros(info.layout.num_experts, dtype=np.uint32)
+            lut[needed] = np.arange(len(needed), dtype=np.uint32)
+            remapped = mx.array(lut[ids]).astype(indices.dtype)
+            return call_template(info, x, remapped, [int(e) for e in needed], weights)
+        k = ids.shape[-1]
+        flat = ids.reshape(-1, k)
+        outs, positions = per_expert(info, x.reshape(-1, x.shape[-1]), flat, needed, weights)
+        return restore_order(outs, positions, ids.shape)
+
+    def _run_chunked(
+        self,
+        info: OffloadLayer,
+        x: mx.array,
+        ids: np.ndarray,
+        chunks: list[list[Key]],
+        pending: dict[int, _Prefetch],
+        predicted: mx.array | None,
+    ) -> mx.array:
+        k = ids.shape[-1]
+        flat = ids.reshape(-1, k)
+        x2 = x.reshape(-1, x.shape[-1])
+        outs, positions = [], []
+        for i, chunk in enumerate(chunks):
+            experts = np.array([e for _, e in chunk])
+            try:
+                weights = self._acquire(info, chunk, pending, predicted if i == 0 else None)
+                chunk_outs, chunk_positions = per_expert(info, x2, flat, experts, weights)
+                # Evaluate before the next chunk evicts these experts, so memory
+                # stays within the cache capacity.
+                mx.eval(chunk_outs)
+            finally:
+                self.cache.pinned.clear()
+            outs.extend(chunk_outs)
+            positions.extend(chunk_positions)
+        return restore_order(outs, positions, ids.shape)
+
+    # -- reporting --------------------------------------------------------------------
+
+    def snapshot(self) -> CacheStats:
+        total, gtotal, window, gwindow, resident = self.stats.copy()
+        cap = self.cache.capacity
+        occ_slots = int(resident[:, 0].sum())
+        occ_bytes = int(resident[:, 1].sum())
+        if cap.slots is not None:
+            fraction = occ_slots / cap.slots if cap.slots else 0.0
+        else:
+            fraction = occ_bytes / cap.nbytes if cap.nbytes else 0.0
+        return CacheStats(
+            policy=self.cache.policy.name,
+            prefetch="next-layer" if self.prefetch else "none",
+            capacity_slots=cap.slots,
+            capacity_bytes=cap.nbytes,
+            occupancy_slots=occ_slots,
+            occupancy_bytes=occ_bytes,
+            occupancy_fraction=fraction,
+            total_experts=sum(i.layout.num_experts for i in self.layers.values()),
+            expert_bytes=max(self.nbytes.values()),
+            moe_layers=list(self.order),
+            io_threads=self.store.threads,
+            window_tokens=self.stats.window_tokens,
+            uptime_s=self.stats.uptime(),
+            since_start=self.stats.view(total, gtotal, resident),
+            window=self.stats.view(window, gwindow, resident),
+            last_step=self.stats.step_view(),
+        )
+
+    def reset_window(self) -> None:
+        self.stats.reset_window()
+
+    def reset(self, clear_cache: bool = False) -> None:
+        """Zero the counters (bench); optionally empty the cache. Worker thread only."""
+        self.flush()  # deferred routing still belongs in the trace (its counts are zeroed next)
+        if clear_cache:
+            for info in self.layers.values():
+                info.slab = None
+            self.cache.clear()
+            self.cache.pinned.clear()
+            self.stats.clear_resident()
+            for pending in self._pending.values():
+                for item in pending.values():
+                    item.future.cancel()
+            self._pending.clear()
+            self._predicted.clear()
+        self.stats.reset()
+
+    def preload(self) -> int:
+        """Read experts, layer by layer in id order, until the cache is full.
+
+        A warm start (and the bench's "every expert cached" row). Not counted
+        in the hit / miss statistics. Worker thread only; returns experts read.
+        """
+        todo: list[Key] = []
+        slots, size = len(self.cache), self.cache.nbytes
+        for layer in self.order:
+            for e in range(self.layers[layer].layout.num_experts):
+                key = (layer, e)
+                if key in self.cache:
+                    continue
+                if not self.cache.capacity.fits(slots + 1, size + self.nbytes[layer]):
+                    break
+                todo.append(key)
+                slots, size = slots + 1, size + self.nbytes[layer]
+        batch = 4 * self.store.threads
+        for i in range(0, len(todo), batch):
+            keys = todo[i : i + batch]
+            results = [f.result() for f in self.store.submit_many(keys)]
+            for key, result in zip(keys, results, strict=True):
+                tensors = self.store.tensors(key[0], result.buffer)
+                mx.eval(tensors)
+                self.cache.insert(key, CachedExpert(result.buffer, tensors), result.nbytes)
+                self.stats.resident(key[0], 1, result.nbytes)
+        if self.all_fit:
+            for info in self.layers.values():
+                if info.slab is None and self._layer_complete(info):
+                    self._make_slab(info)
+        return len(todo)
+
+    def shrink(self, deficit: int) -> int:
+        """Memory-pressure hook (ResidencyManager): give back about `deficit` bytes.
+
+        Lowers the capacity (never under one layer's top-k) and evicts down to
+        it. Runs on the worker thread between tokens, when nothing is pinned.
+        Layers running on a slab (every expert cached) are dropped whole: their
+        experts share one buffer, so evicting a few would free nothing.
+        """
+        cap = self.cache.capacity
+        floor_slots = max(i.top_k for i in self.layers.values())
+        per = max(self.nbytes.values())
+        want_bytes = max(self.cache.nbytes - int(deficit), floor_slots * per)
+        if cap.slots is not None:
+            new = Capacity(slots=max(floor_slots, min(cap.slots, want_bytes // per)))
+        else:
+            new = Capacity(nbytes=max(floor_slots * per, min(cap.nbytes or 0, want_bytes)))
+        before = self.cache.nbytes
+        self.cache.capacity = new
+        self.all_fit = False
+        self._deferred.clear()
+        self._dissolve_slabs()
+        while len(self.cache) and not new.fits(len(self.cache), self.cache.nbytes):
+            victim = self.cache.policy.victim(set())
+            if victim is None:
+                break
+            self.cache.evict(victim)
+            self.stats.resident(victim[0], -1, -self.nbytes[victim[0]])
+            self.stats.add(victim[0], EVICTIONS)
+        freed = before - self.cache.nbytes
+        self.store.drop_free()
+        if freed:
+            mx.clear_cache()
+            log.warning(
+                "memory pressure: expert cache shrunk to %s, freed %.1f MB",
+                new.describe(),
+                freed / 1e6,
+            )
+        return freed
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.trace is not None:
+            self.trace.close()
+        self.store.close()

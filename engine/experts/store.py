@@ -1,0 +1,267 @@
+"""The expert store: read one expert's weights from a prepared directory.
+
+`flashserve prepare` writes experts/layer_XXXX.safetensors with every expert's
+tensors (gate / up / down weights, scales, biases) as one contiguous record and
+records each record's byte range in manifest.json (see engine/weights/prepare.py). So
+one expert is one `os.preadv` — no mmap, no per-tensor seeks — issued on a
+thread pool (the read releases the GIL, so reads overlap with each other and
+with MLX compute on the worker thread).
+
+Bytes land in memory exactly once: the worker thread allocates an MLX uint8
+buffer of the record's size, the I/O thread reads the file straight into it
+(through numpy's view of the buffer), and each tensor becomes a zero-copy view
+(slice → dtype view → reshape) of that buffer. MLX calls stay on the worker
+thread; I/O threads only run the syscall and a checksum.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+
+class ExpertReadError(RuntimeError):
+    """An expert record that cannot be read (truncated or corrupted file)."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str  # relative to the switch, e.g. "gate_proj.weight"
+    dtype: mx.Dtype
+    shape: tuple[int, ...]
+    offset: int  # within the record
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class SwitchLayout:
+    """Where one MoE layer's experts live on disk."""
+
+    layer: int
+    path: str  # parameter path of the SwitchGLU, e.g. "model.layers.3.mlp.switch_mlp"
+    file: Path
+    num_experts: int
+    record_bytes: int
+    tensors: tuple[TensorSpec, ...]
+    records: tuple[tuple[int, int], ...]  # per expert: (absolute offset, length)
+    crc32: tuple[int, ...] | None  # per expert, when the manifest has checksums
+
+
+@dataclass
+class ReadResult:
+    buffer: mx.array  # uint8, the whole record
+    nbytes: int
+    seconds: float  # wall time of the read on its I/O thread
+
+
+def _dtype(name: str) -> mx.Dtype:
+    dtype = getattr(mx, name, None)
+    if not isinstance(dtype, mx.Dtype):
+        raise ValueError(f"unknown dtype {name!r} in manifest")
+    return dtype
+
+
+def layouts_from_manifest(root: Path, manifest: dict) -> dict[int, SwitchLayout]:
+    """One SwitchLayout per MoE layer of a prepared directory's manifest."""
+    out: dict[int, SwitchLayout] = {}
+    for layer in manifest["layers"]:
+        experts = layer.get("experts")
+        if not experts:
+            continue
+        switches = experts["switches"]
+        if len(switches) != 1:
+            raise ValueError(
+                f"layer {layer['index']}: {len(switches)} expert blocks in one layer "
+                "(the expert cache supports one)"
+            )
+        sw = switches[0]
+        tensors = tuple(
+            TensorSpec(
+                name=name,
+                dtype=_dtype(spec["dtype"]),
+                shape=tuple(spec["shape"]),
+                offset=int(spec["offset"]),
+                nbytes=int(spec["nbytes"]),
+            )
+            for name, spec in sorted(sw["tensors"].items(), key=lambda kv: kv[1]["offset"])
+        )
+        crc = sw.get("crc32")
+        out[int(layer["index"])] = SwitchLayout(
+            layer=int(layer["index"]),
+            path=sw["path"],
+            file=Path(root) / experts["file"],
+            num_experts=int(sw["num_experts"]),
+            record_bytes=int(sw["record_bytes"]),
+            tensors=tensors,
+            records=tuple((int(o), int(n)) for o, n in sw["records"]),
+            crc32=tuple(int(c) for c in crc) if crc else None,
+        )
+    return out
+
+
+class ExpertStore:
+    """Parallel pread of expert records; one open file descriptor per MoE layer."""
+
+    def __init__(
+        self, layouts: dict[int, SwitchLayout], threads: int = 8, verify: bool = True
+    ) -> None:
+        if threads < 1:
+            raise ValueError("expert_threads must be >= 1")
+        self.layouts = layouts
+        self.verify = verify
+        self._fds: dict[int, int] = {}
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="expert-io")
+        self.threads = threads
+        self._free: dict[int, list[mx.array]] = {}  # record length -> reusable buffers
+        self.max_free = 64
+        for layer, layout in layouts.items():
+            fd = os.open(layout.file, os.O_RDONLY)
+            self._fds[layer] = fd
+            if hasattr(os, "posix_fadvise"):
+                # Records are read whole and at random; kernel readahead would
+                # pull in neighbouring experts nobody asked for.
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            size = os.fstat(fd).st_size
+            end = max(o + n for o, n in layout.records)
+            if size < end:
+                first_bad = next(e for e, (o, n) in enumerate(layout.records) if o + n > size)
+                log.warning(
+                    "%s is truncated (%d of %d bytes): experts %d.. of layer %d cannot be read",
+                    layout.file,
+                    size,
+                    end,
+                    first_bad,
+                    layer,
+                )
+
+    def expert_bytes(self, layer: int) -> int:
+        return self.layouts[layer].record_bytes
+
+    def check(self, layer: int, expert: int) -> None:
+        layout = self.layouts.get(layer)
+        if layout is None:
+            raise ExpertReadError(f"layer {layer} has no experts on disk")
+        if not 0 <= expert < layout.num_experts:
+            raise ExpertReadError(
+                f"layer {layer}: expert {expert} out of range (0..{layout.num_experts - 1})"
+            )
+
+    def _buffers(self, lengths: list[int]) -> list[mx.array]:
+        """Record buffers: recycled ones first, then fresh ones (one MLX sync for all)."""
+        out: list[mx.array | None] = []
+        fresh = []
+        for length in lengths:
+            pool = self._free.get(length)
+            if pool:
+                out.append(pool.pop())
+            else:
+                buffer = mx.zeros((length,), dtype=mx.uint8)
+                fresh.append(buffer)
+                out.append(buffer)
+        if fresh:
+            mx.eval(fresh)
+        return out  # type: ignore[return-value]
+
+    def recycle(self, buffer: mx.array) -> None:
+        """Take back the buffer of an evicted expert, to read the next one into.
+
+        Only for buffers no pending computation reads any more: the offload
+        evicts right after a layer's sync, when every earlier layer has run.
+        Reusing them saves allocating and zero-filling a buffer per miss.
+        """
+        pool = self._free.setdefault(buffer.size, [])
+        if len(pool) < self.max_free:
+            pool.append(buffer)
+
+    def drop_free(self) -> None:
+        self._free.clear()
+
+    def submit(self, layer: int, expert: int) -> Future[ReadResult]:
+        """Start reading one expert. Call on the thread that runs MLX (allocates)."""
+        return self.submit_many([(layer, expert)])[0]
+
+    def submit_many(self, keys: list[tuple[int, int]]) -> list[Future[ReadResult]]:
+        """Start reading several experts, in order (the pool is FIFO)."""
+        for layer, expert in keys:
+            self.check(layer, expert)
+        buffers = self._buffers([self.layouts[layer].records[expert][1] for layer, expert in keys])
+        futures = []
+        for (layer, expert), buffer in zip(keys, buffers, strict=True):
+            offset, length = self.layouts[layer].records[expert]
+            target = np.array(buffer, copy=False)  # writable view of MLX's memory
+            futures.append(
+                self._pool.submit(self._read, layer, expert, buffer, target, offset, length)
+            )
+        return futures
+
+    def _read(
+        self,
+        layer: int,
+        expert: int,
+        buffer: mx.array,
+        target: np.ndarray,
+        offset: int,
+        length: int,
+    ) -> ReadResult:
+        layout = self.layouts[layer]
+        start = time.perf_counter()
+        view = memoryview(target)
+        done = 0
+        fd = self._fds[layer]
+        try:
+            while done < length:
+                n = os.preadv(fd, [view[done:]], offset + done)
+                if n == 0:
+                    raise ExpertReadError(
+                        f"expert {expert} of layer {layer}: {layout.file} ends at byte "
+                        f"{offset + done}, the record needs {offset}..{offset + length} "
+                        "(file truncated; prepare the model again)"
+                    )
+                done += n
+        except OSError as exc:
+            raise ExpertReadError(
+                f"expert {expert} of layer {layer}: cannot read {layout.file}: {exc}"
+            ) from exc
+        if self.verify and layout.crc32 is not None and zlib.crc32(view) != layout.crc32[expert]:
+            raise ExpertReadError(
+                f"expert {expert} of layer {layer}: checksum mismatch in {layout.file} "
+                f"bytes {offset}..{offset + length} (file corrupted; prepare the model again)"
+            )
+        return ReadResult(buffer=buffer, nbytes=length, seconds=time.perf_counter() - start)
+
+    def tensors(self, layer: int, buffer: mx.array) -> dict[str, mx.array]:
+        """Zero-copy views of one record's tensors (not yet evaluated)."""
+        out = {}
+        for spec in self.layouts[layer].tensors:
+            raw = buffer[spec.offset : spec.offset + spec.nbytes]
+            if spec.offset % max(spec.dtype.size, 1):
+                raw = mx.array(raw)  # misaligned for its dtype: copy rather than view
+            out[spec.name] = raw.view(spec.dtype).reshape(spec.shape)
+        return out
+
+    def read(self, layer: int, expert: int) -> dict[str, mx.array]:
+        """Synchronous read of one expert (tests, tools)."""
+        result = self.submit(layer, expert).result()
+        arrays = self.tensors(layer, result.buffer)
+        mx.eval(arrays)
+        return arrays
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._free.clear()
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()

@@ -1,0 +1,329 @@
+"""The generation worker: one thread owns every MLX call.
+
+Requests arrive on a queue from the event loop; each request's events go back
+through its RequestHandle (loop.call_soon_threadsafe). A failing generation is
+reported to its own client only; the worker keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import logging
+import queue
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from mlx_lm.generate import BatchGenerator, StopSequences
+
+from flashserve.engine.compute import blas
+from flashserve.engine.config import EngineConfig
+from flashserve.engine.generation.requests import (
+    DoneEvent,
+    ErrorEvent,
+    GenerationRequest,
+    RequestHandle,
+    TokenEvent,
+)
+from flashserve.engine.generation.sampling import (
+    GuardedProcessors,
+    make_request_processors,
+    make_request_sampler,
+)
+from flashserve.engine.generation.stops import StopMatcher
+from flashserve.engine.loader import load
+from flashserve.engine.weights.model import LoadedModel
+
+log = logging.getLogger(__name__)
+
+MEMORY_CHECK_INTERVAL = 64  # generated tokens between memory-pressure checks
+
+
+class QueueFullError(Exception):
+    """Too many requests are waiting; the client should retry later."""
+
+
+class EngineNotReadyError(Exception):
+    pass
+
+
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # max_batch is at most 256
+
+
+@dataclass
+class WorkerStats:
+    requests_total: int = 0
+    requests_failed: int = 0
+    requests_cancelled: int = 0
+    prompt_tokens_total: int = 0
+    completion_tokens_total: int = 0
+    queued: int = 0
+    active: int = 0  # requests in the batch now
+    batch_size: int = 0  # sequences in the last decode step
+    steps: int = 0  # decode steps since start
+    batch_size_sum: int = 0  # sequences over all decode steps (their mean: sum / steps)
+    # Decode steps by batch size, one count per BATCH_SIZE_BUCKETS upper bound (not
+    # cumulative): /metrics serves it as a histogram.
+    batch_size_steps: list[int] = field(default_factory=lambda: [0] * len(BATCH_SIZE_BUCKETS))
+    kv_cache_bytes: int = 0  # KV cache and recurrent state of the batch
+    last_step_read_bytes: int = 0  # weights read from disk by the last step, for the batch
+    last_prefill_tokens_per_s: float = 0.0
+    last_decode_tokens_per_s: float = 0.0
+
+
+class Engine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.state = "loading"  # loading | ready | failed | stopped
+        self.load_error: str | None = None
+        self.loaded: LoadedModel | None = None
+        self.stats = WorkerStats()
+        self._queue: queue.Queue[RequestHandle | None] = queue.Queue()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="flashserve-worker", daemon=True)
+
+    # -- called from the event loop -------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        self._ready.wait(timeout)
+        return self.state == "ready"
+
+    def submit(self, request: GenerationRequest) -> RequestHandle:
+        if self.state != "ready":
+            raise EngineNotReadyError(self.load_error or f"model is {self.state}")
+        if self._queue.qsize() >= self.config.max_queue:
+            raise QueueFullError(f"{self._queue.qsize()} requests are already waiting")
+        handle = RequestHandle(request, asyncio.get_running_loop())
+        self._queue.put(handle)
+        return handle
+
+    @property
+    def idle(self) -> bool:
+        return self.stats.active == 0 and self._queue.empty()
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout)
+        self.state = "stopped"
+        experts = self.loaded.experts if self.loaded is not None else None
+        if experts is not None:
+            experts.close()  # flushes the routing trace, stops the pread pool
+
+    def stats_dict(self) -> dict:
+        out = asdict(self.stats)
+        out["queued"] = self._queue.qsize()
+        return out
+
+    # -- the worker thread ----------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self.loaded = load(self.config)
+            self.state = "ready"
+            log.info(
+                "model %s ready (context %d tokens, float matmuls on %s BLAS)",
+                self.loaded.model_id,
+                self.loaded.context_length,
+                blas.describe(),
+            )
+        except Exception as exc:
+            log.error("model failed to load: %s", exc)
+            self.load_error = str(exc)
+            self.state = "failed"
+        finally:
+            self._ready.set()
+        if self.state != "ready":
+            self._refuse_all()
+            return
+        while True:
+            try:
+                self._loop()
+                return
+            except Exception:
+                # A bug outside a step; a dead worker would hang every later request.
+                log.exception("worker loop failed; restarting it")
+
+    def _refuse_all(self) -> None:
+        while (handle := self._queue.get()) is not None:
+            handle.push(ErrorEvent(self.load_error or "model not loaded"))
+
+    def _new_batch(self) -> BatchGenerator:
+        assert self.loaded is not None
+        return BatchGenerator(
+            self.loaded.model,
+            completion_batch_size=self.config.max_batch,
+            prefill_batch_size=self.config.max_batch,
+            prefill_step_size=self.config.prefill_step_size,
+        )
+
+    def _loop(self) -> None:
+        """Continuous batching: admit, step the whole batch once, dispatch tokens."""
+        batch = self._new_batch()
+        active: dict[int, _Active] = {}
+        while True:
+            if not self._admit(batch, active, block=not active):
+                break
+            try:
+                self._step(batch, active)
+            except Exception as exc:
+                # The step is shared, so every request in it fails; the worker goes on.
+                log.exception("batch step failed")
+                for uid in list(active):
+                    self._fail(active, uid, exc)
+                batch = self._new_batch()
+        for uid in list(active):
+            self._finish(active, uid, "cancelled")
+
+    def _step(self, batch: BatchGenerator, active: dict[int, _Active]) -> None:
+        for uid in [u for u, a in active.items() if a.handle.cancelled]:
+            batch.remove([uid])
+            self._finish(active, uid, "cancelled")
+        if not active:
+            return
+        self.stats.batch_size = len(active)
+        read_before = self._bytes_read()
+        _, responses = batch.next()
+        self.stats.steps += 1
+        self.stats.batch_size_sum += len(active)
+        self.stats.batch_size_steps[bisect.bisect_left(BATCH_SIZE_BUCKETS, len(active))] += 1
+        self.stats.last_step_read_bytes = self._bytes_read() - read_before
+        self.stats.kv_cache_bytes = batch.prompt_cache_nbytes
+        for response in responses:
+            self._on_token(batch, active, response)
+        for uid in [u for u, a in active.items() if a.failed]:
+            batch.remove([uid])
+            self._fail(active, uid, active[uid].failed)
+        if self.stats.steps % MEMORY_CHECK_INTERVAL == 0:
+            self._check_memory()
+
+    def _admit(self, batch: BatchGenerator, active: dict[int, _Active], block: bool) -> bool:
+        """Move waiting requests into the batch while slots are free; False on shutdown."""
+        while len(active) < self.config.max_batch:
+            try:
+                handle = self._queue.get() if block else self._queue.get_nowait()
+            except queue.Empty:
+                return True
+            block = False
+            if handle is None:
+                return False
+            if handle.cancelled:
+                self.stats.requests_cancelled += 1
+                handle.push(DoneEvent("cancelled", len(handle.request.prompt_tokens), 0))
+                continue
+            try:
+                entry = self._start(batch, handle)
+            except Exception as exc:
+                log.exception("request %s could not start", handle.request.request_id)
+                self.stats.requests_failed += 1
+                handle.push(ErrorEvent(f"generation failed: {exc}"))
+                continue
+            active[entry.uid] = entry
+            self.stats.active = len(active)
+        return True
+
+    def _start(self, batch: BatchGenerator, handle: RequestHandle) -> _Active:
+        assert self.loaded is not None
+        request = handle.request
+        tokenizer = self.loaded.tokenizer
+        processors = make_request_processors(request.sampling, request.logits_processors)
+        (uid,) = batch.insert(
+            [request.prompt_tokens],
+            max_tokens=[request.max_tokens],
+            samplers=[make_request_sampler(request.sampling)],
+            logits_processors=[[processors] if processors else []],
+            stop_sequences=[StopSequences([[t] for t in tokenizer.eos_token_ids])],
+        )
+        self.stats.requests_total += 1
+        return _Active(
+            uid=uid,
+            handle=handle,
+            detokenizer=tokenizer.detokenizer,
+            stops=StopMatcher(request.stop),
+            processors=processors,
+            started=time.perf_counter(),
+        )
+
+    def _on_token(self, batch: BatchGenerator, active: dict[int, _Active], response) -> None:
+        entry = active.get(response.uid)
+        if entry is None:
+            return
+        if entry.generated == 0:
+            entry.first_token_at = time.perf_counter()
+        if entry.processors is not None and entry.processors.error is not None:
+            entry.failed = entry.processors.error
+            return
+        finish = response.finish_reason
+        if finish != "stop":  # "stop" from the batch means an EOS token: not emitted
+            entry.generated += 1
+            entry.detokenizer.add_token(response.token)
+            text = entry.stops.feed(entry.detokenizer.last_segment)
+            entry.handle.push(TokenEvent(response.token, text))
+            if entry.stops.hit:
+                batch.remove([response.uid])
+                finish = "stop"
+        if finish is not None:
+            self._finish(active, response.uid, finish)
+
+    def _finish(self, active: dict[int, _Active], uid: int, reason: str) -> None:
+        entry = active.pop(uid)
+        self.stats.active = len(active)  # idle before the client hears the end
+        request = entry.handle.request
+        if reason == "cancelled":
+            self.stats.requests_cancelled += 1
+        # Text held back for stop matching is the client's, even on a cut.
+        entry.detokenizer.finalize()
+        tail = entry.stops.feed(entry.detokenizer.last_segment) + entry.stops.flush()
+        self._record(entry)
+        entry.handle.push(DoneEvent(reason, len(request.prompt_tokens), entry.generated, text=tail))
+
+    def _fail(self, active: dict[int, _Active], uid: int, exc: BaseException | None) -> None:
+        entry = active.pop(uid)
+        self.stats.active = len(active)
+        self.stats.requests_failed += 1
+        entry.handle.push(ErrorEvent(f"generation failed: {exc}"))
+
+    def _check_memory(self) -> None:
+        streamer = self.loaded.streamer if self.loaded is not None else None
+        check = getattr(streamer, "check_memory", None)
+        if check is not None:
+            check()
+
+    def _bytes_read(self) -> int:
+        """Weight bytes read from disk so far: streamed layers and offloaded experts."""
+        loaded = self.loaded
+        total = 0
+        if loaded is not None and loaded.streamer is not None:
+            total += loaded.streamer.stats.bytes_read
+        if loaded is not None and loaded.experts is not None:
+            total += loaded.experts.snapshot().since_start.bytes_read
+        return total
+
+    def _record(self, entry: _Active) -> None:
+        end = time.perf_counter()
+        first = entry.first_token_at or end
+        prompt = len(entry.handle.request.prompt_tokens)
+        self.stats.prompt_tokens_total += prompt
+        self.stats.completion_tokens_total += entry.generated
+        self.stats.last_prefill_tokens_per_s = prompt / max(first - entry.started, 1e-9)
+        if entry.generated > 1:
+            self.stats.last_decode_tokens_per_s = (entry.generated - 1) / max(end - first, 1e-9)
+
+
+@dataclass
+class _Active:
+    """A request in the batch and its per-request text state."""
+
+    uid: int
+    handle: RequestHandle
+    detokenizer: Any
+    stops: StopMatcher
+    processors: GuardedProcessors | None
+    started: float
+    first_token_at: float | None = None
+    generated: int = 0
+    failed: BaseException | None = None

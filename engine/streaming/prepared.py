@@ -1,0 +1,240 @@
+"""Load a prepared directory (weights/layout.py) as a streamed model.
+
+Builds the mlx-lm model from its config, checks every layer's tensors against
+the manifest, loads the non-layer weights, plans residency from the memory
+there is (streaming/residency.py), and hands the decoder layers to a
+LayerStreamer; with `expert_cache`, the experts go to the expert cache
+(experts/install.py) instead of travelling with their layers.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from flashserve.engine.config import EngineConfig
+from flashserve.engine.experts.install import offload_from_config
+from flashserve.engine.streaming.residency import ResidencyManager, fmt_bytes, plan_residency
+from flashserve.engine.streaming.streamer import EMPTY, LayerInfo, LayerStreamer, Slot
+from flashserve.engine.weights.layout import (
+    NON_LAYER_FILE,
+    find_layers,
+    read_manifest,
+    verify_files,
+)
+from flashserve.engine.weights.model import LoadedModel, ModelLoadError, context_length_of
+
+log = logging.getLogger(__name__)
+
+
+def _slots(layer: nn.Module) -> list[Slot]:
+    slots = []
+    for name, _ in tree_flatten(layer.parameters()):
+        container: Any = layer
+        *path, last = name.split(".")
+        for part in path:
+            container = container[int(part)] if isinstance(container, list) else container[part]
+        key = int(last) if isinstance(container, list) else last
+        slots.append(Slot(container, key, name))
+    return slots
+
+
+def _layer_info(root: Path, entry: dict, module: nn.Module, prefix: str) -> LayerInfo:
+    index = entry["index"]
+    slots = _slots(module)
+    experts = entry.get("experts") or {}
+    switches = experts.get("switches", [])
+    lp = f"{prefix}{index}."
+    have = {n[len(lp) :] for n in entry["tensors"]}
+    for sw in switches:
+        have |= {f"{sw['path'][len(lp) :]}.{name}" for name in sw["tensors"]}
+    want = {s.name for s in slots}
+    if have != want:
+        missing = sorted(want - have)[:3]
+        extra = sorted(have - want)[:3]
+        raise ModelLoadError(
+            f"{root / entry['file']}: tensors do not match the model "
+            f"(missing {missing}, unexpected {extra})"
+        )
+    return LayerInfo(
+        index=index,
+        module=module,
+        file=root / entry["file"],
+        tensors=list(entry["tensors"]),
+        experts_file=root / experts["file"] if experts else None,
+        switches=switches,
+        slots=slots,
+        dense_bytes=int(entry["tensor_bytes"]),
+        expert_bytes=int(experts.get("tensor_bytes", 0)),
+    )
+
+
+def _build_model(root: Path, manifest: dict) -> tuple[nn.Module, dict]:
+    from mlx_lm.utils import _get_classes, load_config
+
+    config = load_config(root)
+    try:
+        model_class, args_class = _get_classes(config)
+        model = model_class(args_class.from_dict(config))
+    except Exception as exc:
+        raise ModelLoadError(
+            f"{root}: cannot build model {config.get('model_type')}: {exc}"
+        ) from exc
+    quant = manifest["quantization"]["modules"]
+    if quant:
+        nn.quantize(
+            model, class_predicate=lambda path, _: dict(quant[path]) if path in quant else False
+        )
+    model.eval()
+    return model, config
+
+
+def _load_non_layer(root: Path, model: nn.Module, prefix: str) -> int:
+    file = root / NON_LAYER_FILE
+    weights = mx.load(str(file))
+    expected = {n: a for n, a in tree_flatten(model.parameters()) if not n.startswith(prefix)}
+    if set(weights) != set(expected):
+        missing = sorted(set(expected) - set(weights))[:3]
+        extra = sorted(set(weights) - set(expected))[:3]
+        raise ModelLoadError(
+            f"{file}: tensors do not match the model (missing {missing}, unexpected {extra})"
+        )
+    for name, arr in weights.items():
+        if arr.shape != expected[name].shape:
+            raise ModelLoadError(
+                f"{file}: {name} has shape {arr.shape}, the model expects {expected[name].shape}"
+            )
+    model.load_weights(list(weights.items()), strict=False)
+    mx.eval(list(weights.values()))
+    return sum(a.nbytes for a in weights.values())
+
+
+def kv_bytes_per_token(model: nn.Module, config: dict) -> int:
+    """KV cache bytes per token: attention layers x 2 x kv_heads x head_dim x 4 (float32).
+
+    Attention layers are counted from the model's own cache layout, so hybrid
+    models (linear-attention layers with constant-size state) count only
+    their full-attention layers.
+    """
+    from mlx_lm.models.cache import make_prompt_cache
+
+    text = config.get("text_config") or {}
+
+    def get(key: str, default: Any = None) -> Any:
+        return config.get(key, text.get(key, default))
+
+    heads = int(get("num_attention_heads", 1) or 1)
+    kv_heads = int(get("num_key_value_heads", heads) or heads)
+    head_dim = get("head_dim") or int(get("hidden_size", 0)) // heads
+    try:
+        caches = make_prompt_cache(model)
+        attention = sum(1 for c in caches if "KVCache" in type(c).__name__)
+    except Exception:  # a model whose cache needs more than its config
+        attention = int(get("num_hidden_layers", 0))
+    return attention * 2 * kv_heads * int(head_dim) * 4
+
+
+def runtime_reserve(config: dict, engine: EngineConfig) -> int:
+    """R_runtime: memory for activations and the MLX runtime beyond weights and KV.
+
+    A base for buffers and fragmentation, plus a prefill chunk's attention
+    scores and activations, plus logits for a full batch. An estimate; set
+    `extra["runtime_reserve"]` (bytes) to use a measured one.
+    """
+    if "runtime_reserve" in engine.extra:
+        return int(engine.extra["runtime_reserve"])
+    text = config.get("text_config") or {}
+    hidden = int(config.get("hidden_size", text.get("hidden_size", 4096)))
+    heads = int(config.get("num_attention_heads", text.get("num_attention_heads", 32)))
+    vocab = int(config.get("vocab_size", text.get("vocab_size", 32000)))
+    step = int(engine.prefill_step_size)
+    activations = step * hidden * 4 * 16 + heads * step * step * 4 * 2
+    logits = engine.max_batch * vocab * 4 * 4
+    return 256 * 1024 * 1024 + activations + logits
+
+
+def load_prepared(path: Path, config: EngineConfig) -> LoadedModel:
+    """Load a prepared directory with the residency `config` asks for."""
+    from mlx_lm.utils import load_tokenizer
+
+    root = Path(path)
+    manifest = read_manifest(root)
+    verify_files(root, manifest)
+    model, model_config = _build_model(root, manifest)
+    layers, prefix = find_layers(model)
+    if prefix != manifest["layers_prefix"] or len(layers) != manifest["num_layers"]:
+        raise ModelLoadError(
+            f"{root}: model has {len(layers)} layers under {prefix!r}, manifest says "
+            f"{manifest['num_layers']} under {manifest['layers_prefix']!r}"
+        )
+    infos = [
+        _layer_info(root, entry, layers[entry["index"]], prefix) for entry in manifest["layers"]
+    ]
+    for info in infos:  # drop the random initial weights before anything evaluates them
+        for slot in info.slots:
+            slot.container[slot.key] = EMPTY
+        info.module._fs_index = info.index
+        info.module._fs_streamer = None
+    non_layer_bytes = _load_non_layer(root, model, prefix)
+
+    streamer = LayerStreamer(
+        model=model,
+        root=root,
+        manifest=manifest,
+        prefix=prefix,
+        layers=infos,
+        non_layer_bytes=non_layer_bytes,
+        prefetch_depth=max(0, int(config.prefetch_depth)),
+        drop_page_cache=bool(config.extra.get("stream_drop_page_cache", False)),
+    )
+    if config.expert_cache:
+        # The expert cache owns the experts (experts/): layers
+        # are planned and streamed without them.
+        streamer.detach_experts()
+    context_length = context_length_of(model_config)
+    plan = plan_residency(
+        config,
+        layer_bytes=[streamer.layer_bytes(i) for i in range(len(infos))],
+        non_layer_bytes=non_layer_bytes,
+        kv_bytes_per_token=kv_bytes_per_token(model, model_config),
+        context_length=context_length,
+        runtime_reserve=runtime_reserve(model_config, config),
+    )
+    log.info(plan.describe())
+    streamer.plan = plan
+    streamer.apply(plan.resident_layers)
+    streamer.residency = ResidencyManager(
+        demote=streamer.demote,
+        resident=lambda: streamer.resident_layers,
+        floor=int(config.shed_floor),
+    )
+    experts = None
+    if config.expert_cache:
+        experts = offload_from_config(model, root, manifest, config, model_config)
+        streamer.residency.add_pressure_hook(experts.shrink)
+    try:
+        tokenizer = load_tokenizer(root, eos_token_ids=model_config.get("eos_token_id"))
+    except Exception as exc:
+        raise ModelLoadError(f"{root}: cannot load tokenizer: {exc}") from exc
+    log.info(
+        "loaded prepared model %s: %d/%d layers resident, %s resident weights",
+        root,
+        len(plan.resident_layers),
+        len(infos),
+        fmt_bytes(streamer.snapshot()["resident_weight_bytes"]),
+    )
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        config=model_config,
+        model_id=config.model_id or root.name,
+        path=root,
+        context_length=context_length,
+        streamer=streamer,
+        experts=experts,
+    )

@@ -1,0 +1,13 @@
+"""Where weights come from and how they lie on disk. Imports no other engine package.
+
+- `model`           LoadedModel, ModelLoadError, the compute dtype.
+- `sources`         resolve a model spec; load a plain model (GGUF or mlx-lm).
+- `gguf_file`       the GGUF container: header, tensor types, metadata.
+- `gguf_tokenizer`  tokenizer.json rebuilt from GGUF metadata.
+- `gguf`            GGUF -> mlx-lm model and config; `import-gguf`.
+- `layout`          the prepared (streaming) layout: file names, manifest,
+                    reading and checking it.
+- `prepare`         `flashserve prepare`: write that layout from any model.
+- `tokenizer`       the Hugging Face tokenizer inside mlx-lm's wrapper.
+- `synthetic`       tiny random-weight models of real mlx-lm architectures.
+"""

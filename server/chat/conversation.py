@@ -1,0 +1,79 @@
+"""The chat pipeline's own request and output events.
+
+Every API dialect (OpenAI Chat Completions today) translates its request into
+a ChatRequest and renders the OutputEvents it gets back; generation, tools,
+reasoning and constraints are the pipeline's, never a dialect's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from flashserve.engine.generation.requests import SamplingParams
+
+
+@dataclass
+class ChatRequest:
+    """One assistant turn to generate, whatever dialect it came in."""
+
+    # In the shape chat templates read: {"role", "content" (text), "tool_calls":
+    # [{"id", "type", "function": {"name", "arguments" (JSON text)}}],
+    # "tool_call_id", "name"}; roles system, user, assistant, tool.
+    messages: list[dict[str, Any]]
+    sampling: SamplingParams
+    # Function tools: [{"type": "function", "function": {"name", "description",
+    # "parameters"}}]; tool_choice "auto" | "none" | "required" | {"type":
+    # "function", "function": {"name"}}.
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    response_format: dict[str, Any] | None = None  # {"type": "json_object" | "json_schema", ...}
+    stop: list[str] = field(default_factory=list)
+    max_tokens: int | None = None  # None: the server's default, capped to the context
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # The dialect's names of the fields an error may point at.
+    messages_param: str = "messages"
+    max_tokens_param: str = "max_tokens"
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    """The server's settings the pipeline reads."""
+
+    tool_parser: str | None = None
+    reasoning_parser: str | None = None
+    default_max_tokens: int = 512
+
+
+# -- output events ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    text: str
+
+
+@dataclass(frozen=True)
+class ReasoningDelta:
+    text: str
+
+
+@dataclass
+class ToolCallDelta:
+    """A piece of tool call `index`: the first carries its id and name."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+
+@dataclass(frozen=True)
+class Finished:
+    reason: str  # stop | length | tool_calls
+    prompt_tokens: int
+    completion_tokens: int
+
+
+OutputEvent = TextDelta | ReasoningDelta | ToolCallDelta | Finished

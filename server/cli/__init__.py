@@ -1,0 +1,1 @@
+"""The `flashserve` command (`main`) and its terminal chat (`chat`). Imports anything."""

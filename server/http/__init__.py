@@ -1,0 +1,10 @@
+"""HTTP plumbing shared by every route. May import flashserve.engine and server.settings.
+
+- `errors`      the error object, APIError, and the app's exception handlers.
+- `deps`        FastAPI dependencies: engine, settings, the ready model.
+- `middleware`  request ids, access log, body limit, CORS.
+- `security`    the API key.
+- `metrics`     Prometheus collectors.
+- `lifecycle`   request time limits and the graceful shutdown drain.
+- `production`  wires the above into an app.
+"""

@@ -1,0 +1,62 @@
+"""Wire the production features into an app: API key, CORS, body limit, request
+ids and access log, Prometheus /metrics, request time limit and shutdown drain.
+
+create_app calls `install_production(app, settings, engine)` once, before the
+app starts, and adds the /metrics route and its sources. It leaves on app.state:
+- `metrics`: server.http.metrics.Metrics (`add_source()` for more numbers on /metrics)
+- `tracker`: server.http.lifecycle.RequestTracker; routes pass it to
+  `server.generation.submit(..., tracker=request.app.state.tracker)`
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+from typing import Any
+
+from fastapi import FastAPI
+from sse_starlette.sse import AppStatus
+
+from flashserve.server.http.lifecycle import RequestTracker
+from flashserve.server.http.metrics import Metrics
+from flashserve.server.http.middleware import install_middleware
+from flashserve.server.http.security import resolve_api_key
+from flashserve.server.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def install_production(app: FastAPI, settings: Settings, engine: Any) -> None:
+    api_key = resolve_api_key(settings)
+    metrics = Metrics()
+    metrics.watch_engine(engine)
+    app.state.metrics = metrics
+    app.state.tracker = RequestTracker(settings.request_timeout, metrics)
+    install_middleware(
+        app,
+        metrics=metrics,
+        api_key=api_key,
+        allowed_origins=settings.allowed_origins,
+        max_body_bytes=settings.max_body_bytes,
+        log_prompts=settings.log_prompts,
+    )
+    # sse-starlette would cut every open stream the moment uvicorn sees SIGTERM,
+    # with no final chunk and no [DONE]. The tracker's drain ends streams instead
+    # (server/http/lifecycle.py), so turn that off.
+    AppStatus.disable_automatic_graceful_drain()
+    if api_key is None and is_exposed(settings.host):
+        log.warning(
+            "listening on %s without an API key: anyone who can reach this port can use "
+            "the model. Set --api-key (or FLASHSERVE_API_KEY, api_key_file), or bind 127.0.0.1.",
+            settings.host,
+        )
+
+
+def is_exposed(host: str) -> bool:
+    """True unless `host` is a loopback address (127.0.0.0/8, ::1, localhost)."""
+    if host.strip("[]").lower() in ("localhost", "localhost."):
+        return False
+    try:
+        return not ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return True  # a host name that may resolve anywhere
