@@ -31,4 +31,6 @@ class EngineConfig:
     max_batch: int = 8
     prefill_step_size: int = 512
     max_queue: int = 64
+    # Prompt cache (memory tier) bytes; 0: off. The server's settings turn it on.
+    prompt_cache_bytes: int = 0
     extra: dict = field(default_factory=dict)

@@ -53,6 +53,11 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         "MoE expert cache, as GET /cache/stats",
     )
     app.state.metrics.add_source(
+        "prompt_cache",
+        lambda: cache.prompt_cache_metric_numbers(engine),
+        "Prompt cache (prefix reuse), as the prompt_cache block of GET /cache/stats",
+    )
+    app.state.metrics.add_source(
         "memory",
         lambda: memory.metric_numbers(engine),
         "Memory and layer residency, as GET /memory",

@@ -78,6 +78,9 @@ class Settings(BaseSettings):
     max_batch: int = Field(8, ge=1, le=256)
     prefill_step_size: int = Field(512, ge=16)
     max_queue: int = Field(64, ge=1)
+    prompt_cache_bytes: int = Field(
+        1_000_000_000, ge=0, description="memory for cached prompt states; 0 turns reuse off"
+    )
     blas: Literal["auto", "mkl", "reference"] = Field(
         "auto", description="Linux: BLAS for float matmuls; auto = mkl when installed"
     )
@@ -97,7 +100,9 @@ class Settings(BaseSettings):
     shutdown_grace: float = Field(10.0, ge=0, description="seconds SIGTERM waits for generations")
     log_prompts: bool = False
 
-    @field_validator("memory_budget", "shed_floor", "max_body_bytes", mode="before")
+    @field_validator(
+        "memory_budget", "shed_floor", "max_body_bytes", "prompt_cache_bytes", mode="before"
+    )
     @classmethod
     def _sizes(cls, value: Any) -> Any:
         return None if value is None else parse_size(value)

@@ -97,6 +97,9 @@ def start_server(model: Path | str | None, workdir: Path, *args: str) -> Server:
     log_path = workdir / f"server-{port}.log"
     cmd = [sys.executable, "-m", "flashserve.server.cli", "serve", "--host", "127.0.0.1"]
     cmd += ["--port", str(port), "--log-level", "info", *args]
+    if "--prompt-cache-bytes" not in args:
+        # Tests measure cold prefill unless they ask for the prompt cache.
+        cmd += ["--prompt-cache-bytes", "0"]
     if model is not None:
         cmd += ["--model", str(model)]
     with open(log_path, "wb") as log:

@@ -43,6 +43,9 @@ class GenerationRequest:
     # fresh objects per request, since they may hold state.
     logits_processors: list[LogitsProcessor] = field(default_factory=list)
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    # Start from the longest cached prefix and store this prompt's state
+    # (when the engine has a prompt cache).
+    use_prompt_cache: bool = True
 
 
 @dataclass
@@ -57,6 +60,7 @@ class DoneEvent:
     prompt_tokens: int
     completion_tokens: int
     text: str = ""  # text released at the end (held back for stop matching)
+    cached_tokens: int = 0  # prompt tokens restored from the prompt cache, not prefilled
 
 
 @dataclass

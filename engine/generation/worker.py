@@ -20,6 +20,7 @@ from mlx_lm.generate import BatchGenerator, StopSequences
 
 from flashserve.engine.compute import blas
 from flashserve.engine.config import EngineConfig
+from flashserve.engine.generation.prompt_cache import PromptCache
 from flashserve.engine.generation.requests import (
     DoneEvent,
     ErrorEvent,
@@ -79,6 +80,7 @@ class Engine:
         self.state = "loading"  # loading | ready | failed | stopped
         self.load_error: str | None = None
         self.loaded: LoadedModel | None = None
+        self.prompt_cache: PromptCache | None = None  # set once the model is loaded
         self.stats = WorkerStats()
         self._queue: queue.Queue[RequestHandle | None] = queue.Queue()
         self._ready = threading.Event()
@@ -124,6 +126,7 @@ class Engine:
     def _run(self) -> None:
         try:
             self.loaded = load(self.config)
+            self.prompt_cache = self._make_prompt_cache(self.loaded)
             self.state = "ready"
             log.info(
                 "model %s ready (context %d tokens, float matmuls on %s BLAS)",
@@ -147,6 +150,17 @@ class Engine:
             except Exception:
                 # A bug outside a step; a dead worker would hang every later request.
                 log.exception("worker loop failed; restarting it")
+
+    def _make_prompt_cache(self, loaded: LoadedModel) -> PromptCache | None:
+        if self.config.prompt_cache_bytes <= 0:
+            return None
+        cache = PromptCache(self.config.prompt_cache_bytes, loaded.model_id)
+        residency = getattr(loaded.streamer, "residency", None)
+        if residency is not None:
+            # Under memory pressure the prompt cache gives memory back before
+            # resident layers are shed (hooks run before shedding).
+            residency.add_pressure_hook(cache.shrink)
+        return cache
 
     def _refuse_all(self) -> None:
         while (handle := self._queue.get()) is not None:
@@ -187,7 +201,8 @@ class Engine:
             return
         self.stats.batch_size = len(active)
         read_before = self._bytes_read()
-        _, responses = batch.next()
+        prompt_responses, responses = batch.next()
+        self._store_prompts(batch, active, prompt_responses)
         self.stats.steps += 1
         self.stats.batch_size_sum += len(active)
         self.stats.batch_size_steps[bisect.bisect_left(BATCH_SIZE_BUCKETS, len(active))] += 1
@@ -231,9 +246,16 @@ class Engine:
         request = handle.request
         tokenizer = self.loaded.tokenizer
         processors = make_request_processors(request.sampling, request.logits_processors)
+        prompt = list(request.prompt_tokens)
+        cache, reused = None, 0
+        if self.prompt_cache is not None and request.use_prompt_cache:
+            cache, reused = self.prompt_cache.fetch(prompt)
         (uid,) = batch.insert(
-            [request.prompt_tokens],
+            [prompt[reused:]],
             max_tokens=[request.max_tokens],
+            caches=[cache] if cache is not None else None,
+            # The reused tokens are history for penalties, as in a cold prefill.
+            all_tokens=[prompt[:reused]],
             samplers=[make_request_sampler(request.sampling)],
             logits_processors=[[processors] if processors else []],
             stop_sequences=[StopSequences([[t] for t in tokenizer.eos_token_ids])],
@@ -246,6 +268,7 @@ class Engine:
             stops=StopMatcher(request.stop),
             processors=processors,
             started=time.perf_counter(),
+            cached_tokens=reused,
         )
 
     def _on_token(self, batch: BatchGenerator, active: dict[int, _Active], response) -> None:
@@ -279,13 +302,43 @@ class Engine:
         entry.detokenizer.finalize()
         tail = entry.stops.feed(entry.detokenizer.last_segment) + entry.stops.flush()
         self._record(entry)
-        entry.handle.push(DoneEvent(reason, len(request.prompt_tokens), entry.generated, text=tail))
+        entry.handle.push(
+            DoneEvent(
+                reason,
+                len(request.prompt_tokens),
+                entry.generated,
+                text=tail,
+                cached_tokens=entry.cached_tokens,
+            )
+        )
 
     def _fail(self, active: dict[int, _Active], uid: int, exc: BaseException | None) -> None:
         entry = active.pop(uid)
         self.stats.active = len(active)
         self.stats.requests_failed += 1
         entry.handle.push(ErrorEvent(f"generation failed: {exc}"))
+
+    def _store_prompts(self, batch: BatchGenerator, active: dict[int, _Active], responses) -> None:
+        """Store the cache state of prompts whose prefill reached their last token.
+
+        BatchGenerator splits each prompt's last token into a segment of its
+        own, so the end of the first segment is the state after prompt[:-1]:
+        the longest prefix any later prompt can reuse.
+        """
+        if self.prompt_cache is None:
+            return
+        done = [
+            r.uid
+            for r in responses
+            if r.end_of_segment
+            and not r.end_of_prompt
+            and r.uid in active
+            and active[r.uid].handle.request.use_prompt_cache
+        ]
+        if not done:
+            return
+        for uid, (cache, _) in batch.extract_cache(done).items():
+            self.prompt_cache.store(list(active[uid].handle.request.prompt_tokens[:-1]), cache)
 
     def _check_memory(self) -> None:
         streamer = self.loaded.streamer if self.loaded is not None else None
@@ -324,6 +377,7 @@ class _Active:
     stops: StopMatcher
     processors: GuardedProcessors | None
     started: float
+    cached_tokens: int = 0  # prompt tokens restored from the prompt cache
     first_token_at: float | None = None
     generated: int = 0
     failed: BaseException | None = None

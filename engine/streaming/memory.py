@@ -144,6 +144,7 @@ class MemoryReport:
     non_layer_bytes: int
     streaming_buffer_bytes: int  # streamed-layer weights in flight (loading or computing)
     kv_cache_bytes: int
+    prompt_cache_bytes: int  # cached prompt states kept for reuse (the prompt cache)
     shedding_events: list[dict] = field(default_factory=list)
     plan: dict | None = None  # ResidencyPlan as a dict (N, layers, inputs); None: not streamed
     streaming: dict | None = None  # StreamStats as a dict; None: not streamed
@@ -157,6 +158,7 @@ def memory_report(
     *,
     prompt_caches: Sequence[Any] | None = None,
     kv_cache_bytes: int | None = None,
+    prompt_cache_bytes: int = 0,
 ) -> MemoryReport:
     """Snapshot of memory use for `loaded` (an engine.weights.model.LoadedModel).
 
@@ -176,6 +178,7 @@ def memory_report(
         mlx_active_bytes=mlxmem.active,
         mlx_peak_bytes=mlxmem.peak,
         mlx_cache_bytes=mlxmem.cache,
+        prompt_cache_bytes=prompt_cache_bytes,
         kv_cache_bytes=(
             kv_cache_bytes if kv_cache_bytes is not None else kv_cache_nbytes(prompt_caches)
         ),

@@ -6,11 +6,11 @@ Policies (from EngineConfig):
   budget   `memory_budget` bytes for weights: non-layer + resident layers +
            streaming buffers must fit
   auto     from available memory (seed paper, eq. 2):
-             N = floor((M_avail - O - B - R_runtime - KV_reserve) / w * 0.9)
+             N = floor((M_avail - O - B - R_runtime - KV_reserve - P) / w * 0.9)
            O: non-layer bytes, w: largest layer, B: streaming buffers
            ((prefetch_depth + 1) * w; the paper's single `w` is depth 0),
            KV_reserve: KV bytes for 512 (max_tps), 1024 (balanced) or the
-           full context (max_context) tokens.
+           full context (max_context) tokens; P: the prompt cache's budget.
 Placement turns N into layer indices: first_n | last_n | interleaved.
 
 Shedding: every 64 generated tokens the worker asks the manager; when
@@ -66,6 +66,7 @@ class PlanInputs:
     kv_bytes_per_token: int = 0
     kv_reserve_tokens: int | None = None
     kv_reserve_bytes: int | None = None
+    prompt_cache_bytes: int = 0  # the prompt cache's budget, kept free of layers
 
 
 @dataclass
@@ -94,7 +95,8 @@ class ResidencyPlan:
             text += (
                 f", mode {i.mode}: available {fmt_bytes(i.available_bytes)}, runtime reserve "
                 f"{fmt_bytes(i.runtime_reserve_bytes or 0)}, KV reserve "
-                f"{fmt_bytes(i.kv_reserve_bytes or 0)} ({i.kv_reserve_tokens} tokens)"
+                f"{fmt_bytes(i.kv_reserve_bytes or 0)} ({i.kv_reserve_tokens} tokens), "
+                f"prompt cache {fmt_bytes(i.prompt_cache_bytes)}"
             )
         return text
 
@@ -193,7 +195,8 @@ def plan_residency(
         inputs.runtime_reserve_bytes = runtime_reserve
         inputs.kv_reserve_tokens = tokens
         inputs.kv_reserve_bytes = kv_reserve
-        free = available - non_layer_bytes - runtime_reserve - kv_reserve
+        inputs.prompt_cache_bytes = prompt_cache = int(config.prompt_cache_bytes)
+        free = available - non_layer_bytes - runtime_reserve - kv_reserve - prompt_cache
         if w == 0:
             count = num_layers
         else:

@@ -74,6 +74,7 @@ class Finished:
     reason: str  # stop | length | tool_calls
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens reused from the prompt cache
 
 
 OutputEvent = TextDelta | ReasoningDelta | ToolCallDelta | Finished

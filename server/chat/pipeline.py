@@ -41,6 +41,7 @@ class ChatTurn:
             reason=self._output.finish_reason(outcome.finish_reason),
             prompt_tokens=outcome.prompt_tokens,
             completion_tokens=outcome.completion_tokens,
+            cached_tokens=outcome.cached_tokens,
         )
 
 

@@ -113,7 +113,11 @@ async def create_chat_completion(
         created=header.created,
         model=header.model,
         choices=[ChatChoice(message=builder.message(), finish_reason=builder.finished.reason)],
-        usage=usage(builder.finished.prompt_tokens, builder.finished.completion_tokens),
+        usage=usage(
+            builder.finished.prompt_tokens,
+            builder.finished.completion_tokens,
+            builder.finished.cached_tokens,
+        ),
     )
 
 
@@ -145,7 +149,7 @@ async def _stream(turn: ChatTurn, header: _ChunkHeader, include_usage: bool) -> 
                 created=header.created,
                 model=header.model,
                 choices=[],
-                usage=usage(event.prompt_tokens, event.completion_tokens),
+                usage=usage(event.prompt_tokens, event.completion_tokens, event.cached_tokens),
             ).model_dump_json()
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from flashserve.engine.generation.requests import SamplingParams
 from flashserve.server.http.errors import invalid_request
-from flashserve.server.openai.protocol import SamplingFields, Usage
+from flashserve.server.openai.protocol import PromptTokensDetails, SamplingFields, Usage
 
 DEFAULT_TEMPERATURE = 1.0  # the OpenAI API's default
 
@@ -38,9 +38,10 @@ def sampling_params(body: SamplingFields, vocab_size: int) -> SamplingParams:
     )
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> Usage:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
     return Usage(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
     )

@@ -63,7 +63,9 @@ async def create_completion(
     outcome = generation.outcome
     assert outcome is not None
     completion.choices = [CompletionChoice(text=text, finish_reason=outcome.finish_reason)]
-    completion.usage = usage(outcome.prompt_tokens, outcome.completion_tokens)
+    completion.usage = usage(
+        outcome.prompt_tokens, outcome.completion_tokens, outcome.cached_tokens
+    )
     return completion
 
 
@@ -80,7 +82,7 @@ async def _stream(
     assert outcome is not None
     yield chunk("", outcome.finish_reason)
     if include_usage:
-        stats = usage(outcome.prompt_tokens, outcome.completion_tokens)
+        stats = usage(outcome.prompt_tokens, outcome.completion_tokens, outcome.cached_tokens)
         yield header.model_copy(update={"usage": stats}).model_dump_json()
 
 

@@ -251,10 +251,15 @@ class CompletionRequest(SamplingFields):
 # -- responses -------------------------------------------------------------------------
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(0, description="prompt tokens reused from the prompt cache")
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
 
 def _drop_none(handler: SerializerFunctionWrapHandler, obj: BaseModel, keep: set[str]) -> Any:

@@ -82,6 +82,20 @@ class CacheStepView(BaseModel):
     )
 
 
+class PromptCacheView(BaseModel):
+    """The prompt cache (prefix reuse across requests), memory tier."""
+
+    max_bytes: int = Field(description="memory the cached prompt states may use")
+    entries: int
+    bytes: int
+    hits: int = Field(description="prompts that started from a cached prefix")
+    misses: int = Field(description="prompts prefilled from their first token")
+    tokens_reused: int = Field(description="prompt tokens restored instead of prefilled")
+    tokens_prefilled: int
+    stored: int = Field(description="prompt states stored")
+    released_bytes: int = Field(description="bytes given back under memory pressure")
+
+
 class CacheStatsResponse(BaseModel):
     enabled: bool = Field(description="false: this model runs without an expert cache")
     policy: str | None = None
@@ -105,17 +119,28 @@ class CacheStatsResponse(BaseModel):
         description="the last finished forward pass (layers whose every expert is cached "
         "are counted two steps late)",
     )
+    prompt_cache: PromptCacheView | None = Field(
+        None, description="prefix reuse across requests; null: prompt_cache_bytes is 0"
+    )
 
 
 def stats_response(engine: Engine, layers: bool = True) -> CacheStatsResponse:
+    prompt_cache = _prompt_cache_view(engine)
     offload = getattr(engine.loaded, "experts", None)
     if offload is None:
-        return CacheStatsResponse(enabled=False)
+        return CacheStatsResponse(enabled=False, prompt_cache=prompt_cache)
     data = asdict(offload.snapshot())
     if not layers:
         data["since_start"]["layers"] = None
         data["window"]["layers"] = None
-    return CacheStatsResponse(enabled=True, batch_size=engine.stats.batch_size, **data)
+    return CacheStatsResponse(
+        enabled=True, batch_size=engine.stats.batch_size, prompt_cache=prompt_cache, **data
+    )
+
+
+def _prompt_cache_view(engine: Engine) -> PromptCacheView | None:
+    cache = getattr(engine, "prompt_cache", None)
+    return None if cache is None else PromptCacheView(**cache.snapshot())
 
 
 @router.get("/cache/stats", response_model=CacheStatsResponse, response_model_exclude_none=False)
@@ -159,8 +184,6 @@ def metric_numbers(engine: Engine) -> dict[str, Any]:
     """/cache/stats for /metrics (server/http/metrics.py), as the JSON endpoint serves it,
     without per-layer lists: counters since start, gauges for the
     occupancy and for the last-N-tokens window."""
-    from flashserve.server.routes.cache import stats_response
-
     if getattr(engine, "loaded", None) is None:
         return {}
     data = stats_response(engine, layers=False).model_dump()
@@ -168,5 +191,20 @@ def metric_numbers(engine: Engine) -> dict[str, Any]:
     for key, value in since.items():
         data[f"{key}_total" if key in _CACHE_CUMULATIVE else f"lifetime_{key}"] = value
     data.pop("moe_layers", None)  # a list of layer indices: its count is in the config
+    data.pop("prompt_cache", None)  # its own source: prompt_cache_metric_numbers
     data.pop("batch_size", None)  # the engine's own flashserve_batch_size
     return data
+
+
+_PROMPT_CACHE_GAUGES = {"max_bytes", "entries", "bytes"}
+
+
+def prompt_cache_metric_numbers(engine: Engine) -> dict[str, Any]:
+    """The prompt_cache block of /cache/stats for /metrics: counters get `_total`."""
+    view = _prompt_cache_view(engine) if getattr(engine, "loaded", None) is not None else None
+    if view is None:
+        return {}
+    return {
+        key if key in _PROMPT_CACHE_GAUGES else f"{key}_total": value
+        for key, value in view.model_dump().items()
+    }

@@ -44,6 +44,7 @@ class MemoryResponse(BaseModel):
     non_layer_bytes: int
     streaming_buffer_bytes: int = Field(description="streamed-layer weights in flight")
     kv_cache_bytes: int = Field(description="KV cache and recurrent state of active requests")
+    prompt_cache_bytes: int = Field(description="cached prompt states kept for prefix reuse")
     shedding_events: list[dict] = Field(description="resident layers shed under pressure")
     plan: dict | None = Field(description="the residency plan and its inputs; null: all resident")
     streaming: dict | None = Field(description="streamed-layer counters; null: all resident")
@@ -53,7 +54,9 @@ class MemoryResponse(BaseModel):
 @router.get("/memory", response_model=MemoryResponse)
 def get_memory(loaded: ReadyModel, engine: EngineDep) -> MemoryResponse:
     stats = engine.stats
-    report = memory_report(loaded, kv_cache_bytes=stats.kv_cache_bytes)
+    report = memory_report(
+        loaded, kv_cache_bytes=stats.kv_cache_bytes, prompt_cache_bytes=_prompt_cache_bytes(engine)
+    )
     batch = BatchView(
         size=stats.batch_size,
         active=stats.active,
@@ -72,4 +75,13 @@ def metric_numbers(engine: Engine) -> dict[str, Any]:
     loaded = getattr(engine, "loaded", None)
     if loaded is None:
         return {}
-    return memory_report(loaded, kv_cache_bytes=engine.stats.kv_cache_bytes).to_dict()
+    return memory_report(
+        loaded,
+        kv_cache_bytes=engine.stats.kv_cache_bytes,
+        prompt_cache_bytes=_prompt_cache_bytes(engine),
+    ).to_dict()
+
+
+def _prompt_cache_bytes(engine: Engine) -> int:
+    cache = getattr(engine, "prompt_cache", None)
+    return 0 if cache is None else cache.nbytes

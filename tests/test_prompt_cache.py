@@ -1,0 +1,233 @@
+"""Prompt cache, memory tier: a prompt starts from its longest cached prefix.
+
+Greedy output with a cache hit must be token-identical to a cold run (this
+process runs on the reference BLAS), for attention KV (llama, qwen3_moe) and
+recurrent state (qwen3_next), resident and streamed, alone and in a batch.
+A diverging prompt reuses exactly the common prefix, never more.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from flashserve.engine.config import EngineConfig
+from flashserve.engine.generation.requests import (
+    DoneEvent,
+    ErrorEvent,
+    GenerationRequest,
+    SamplingParams,
+    TokenEvent,
+)
+from flashserve.engine.generation.worker import Engine
+from flashserve.engine.weights.prepare import prepare
+from flashserve.engine.weights.synthetic import make_model_dir
+
+from .conftest import NO_EOS, start_server, stop_server
+
+BASE = list(range(5, 45))  # 40 tokens
+GROWN = BASE + list(range(50, 70))  # the next turn: the same 40, then 20 more
+DIVERGED = [*BASE[:20], 99, 98, *BASE[22:], 7, 8]  # differs from token 20 on
+NO_EOS_BIAS = {int(k): v for k, v in NO_EOS.items()}
+
+
+def _engine(model: Path, **config) -> Engine:
+    engine = Engine(EngineConfig(model=str(model), **config))
+    engine.start()
+    assert engine.wait_ready(120), engine.load_error
+    return engine
+
+
+async def _one(engine: Engine, prompt: list[int]) -> tuple[list[int], int]:
+    handle = engine.submit(
+        GenerationRequest(
+            prompt_tokens=prompt,
+            max_tokens=10,
+            sampling=SamplingParams(temperature=0.0, logit_bias=NO_EOS_BIAS),
+        )
+    )
+    tokens, cached = [], -1
+    async for event in handle:
+        if isinstance(event, TokenEvent):
+            tokens.append(event.token)
+        elif isinstance(event, DoneEvent):
+            cached = event.cached_tokens
+        elif isinstance(event, ErrorEvent):
+            raise AssertionError(event.message)
+    return tokens, cached
+
+
+def _in_turn(engine: Engine, prompts: list[list[int]]) -> list[tuple[list[int], int]]:
+    async def run() -> list[tuple[list[int], int]]:
+        return [await _one(engine, p) for p in prompts]
+
+    return asyncio.run(run())
+
+
+def _together(engine: Engine, prompts: list[list[int]]) -> list[tuple[list[int], int]]:
+    async def run() -> list[tuple[list[int], int]]:
+        return list(await asyncio.gather(*(_one(engine, p) for p in prompts)))
+
+    return asyncio.run(run())
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("prompt-cache-models")
+    return {
+        arch: make_model_dir(root / arch, arch) for arch in ("llama", "qwen3_moe", "qwen3_next")
+    }
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "qwen3_next"])
+def test_hits_are_token_identical_to_cold_runs(models: dict[str, Path], arch: str):
+    cold = _engine(models[arch])
+    warm = _engine(models[arch], prompt_cache_bytes=1 << 30)
+    try:
+        expected = _in_turn(cold, [BASE, GROWN, DIVERGED])
+        got = _in_turn(warm, [BASE, GROWN, DIVERGED])
+        snapshot = warm.prompt_cache.snapshot()
+    finally:
+        cold.shutdown()
+        warm.shutdown()
+    assert [tokens for tokens, _ in got] == [tokens for tokens, _ in expected]
+    assert all(cached == 0 for _, cached in expected)  # no cache: nothing reused
+    # BASE's state is stored after its first 39 tokens; its last token is always prefilled.
+    assert [cached for _, cached in got][:2] == [0, len(BASE) - 1]
+    # Attention KV is trimmed back to the common prefix; recurrent state cannot
+    # be trimmed, so the diverged prompt starts cold there.
+    assert got[2][1] == (0 if arch == "qwen3_next" else 20)
+    assert snapshot["hits"] == (1 if arch == "qwen3_next" else 2)
+    assert snapshot["tokens_reused"] == sum(cached for _, cached in got)
+    assert snapshot["entries"] >= 1 and snapshot["bytes"] > 0
+
+
+def test_hits_inside_a_batch_match_solo_cold_runs(models: dict[str, Path]):
+    cold = _engine(models["llama"])
+    warm = _engine(models["llama"], prompt_cache_bytes=1 << 30, max_batch=4)
+    try:
+        expected = _in_turn(cold, [GROWN, DIVERGED, [*BASE, 3]])
+        _in_turn(warm, [BASE])  # stores BASE[:-1]
+        got = _together(warm, [GROWN, DIVERGED, [*BASE, 3]])
+    finally:
+        cold.shutdown()
+        warm.shutdown()
+    assert [tokens for tokens, _ in got] == [tokens for tokens, _ in expected]
+    assert [cached for _, cached in got] == [len(BASE) - 1, 20, len(BASE) - 1]
+
+
+@pytest.mark.parametrize(
+    ("arch", "knobs"),
+    [("llama", {"resident_layers": 0}), ("qwen3_moe", {"resident_layers": 0, "expert_cache": "6"})],
+)
+def test_streamed_and_expert_cache_hits_match_resident_cold(
+    models: dict[str, Path], tmp_path: Path, arch: str, knobs: dict
+):
+    prepared = prepare(str(models[arch]), tmp_path / "prepared", expert_bits=4)
+    cold = _engine(prepared)  # every layer and expert resident
+    warm = _engine(prepared, prompt_cache_bytes=1 << 30, **knobs)
+    try:
+        expected = _in_turn(cold, [BASE, GROWN])
+        got = _in_turn(warm, [BASE, GROWN])
+    finally:
+        cold.shutdown()
+        warm.shutdown()
+    assert [tokens for tokens, _ in got] == [tokens for tokens, _ in expected]
+    assert got[1][1] == len(BASE) - 1
+
+
+def test_pressure_releases_oldest_entries(models: dict[str, Path]):
+    warm = _engine(models["llama"], prompt_cache_bytes=1 << 30)
+    try:
+        _in_turn(warm, [BASE, [9, *BASE[1:]], [8, *BASE[1:]]])
+        cache = warm.prompt_cache
+        before, entries = cache.nbytes, cache.entries
+        freed = cache.shrink(1)
+        assert entries == 3 and 0 < freed < before
+        assert cache.entries == 2 and cache.nbytes == before - freed
+        # The oldest entry (BASE) went first: BASE is a miss again.
+        assert _in_turn(warm, [[*BASE, 3]])[0][1] == 0
+        assert cache.snapshot()["released_bytes"] == freed
+    finally:
+        warm.shutdown()
+
+
+def test_a_small_budget_keeps_the_newest_entries(models: dict[str, Path]):
+    warm = _engine(models["llama"], prompt_cache_bytes=1 << 30)
+    try:
+        _in_turn(warm, [BASE])
+        one_entry = warm.prompt_cache.nbytes
+    finally:
+        warm.shutdown()
+    small = _engine(models["llama"], prompt_cache_bytes=one_entry + one_entry // 2)
+    try:
+        got = _in_turn(small, [BASE, [9, *BASE[1:]], [9, *BASE[1:], 3], [*BASE, 3]])
+        assert small.prompt_cache.nbytes <= one_entry + one_entry // 2
+    finally:
+        small.shutdown()
+    assert [cached for _, cached in got] == [0, 0, len(BASE) - 1, 0]
+
+
+# -- through the server --------------------------------------------------------------
+
+
+def test_server_reports_cached_tokens_stats_memory_and_metrics(
+    tiny_llama_dir: Path, tmp_path: Path
+):
+    server = start_server(tiny_llama_dir, tmp_path, "--prompt-cache-bytes", "64MB")
+    try:
+        http = server.http()
+
+        def complete(prompt: list[int], **extra) -> dict:
+            body = {"prompt": prompt, "max_tokens": 3, "temperature": 0, **extra}
+            response = http.post("/v1/completions", json=body)
+            assert response.status_code == 200, response.text
+            return response.json()
+
+        first = complete(BASE)
+        assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+        assert complete(GROWN)["usage"]["prompt_tokens_details"]["cached_tokens"] == 39
+        assert complete(DIVERGED)["usage"]["prompt_tokens_details"]["cached_tokens"] == 20
+
+        # Chat: the next turn resends the conversation; the rendered first turn is reused.
+        client = server.client()
+        messages = [{"role": "user", "content": "Tell me about disks."}]
+        turn1 = client.chat.completions.create(
+            model=server.model_id, messages=messages, max_tokens=4, temperature=0
+        )
+        messages += [
+            {"role": "assistant", "content": turn1.choices[0].message.content},
+            {"role": "user", "content": "And about memory?"},
+        ]
+        stream = client.chat.completions.create(
+            model=server.model_id,
+            messages=messages,
+            max_tokens=4,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        usage = [chunk.usage for chunk in stream if chunk.usage is not None][-1]
+        assert usage.prompt_tokens_details.cached_tokens == turn1.usage.prompt_tokens - 1
+
+        stats = http.get("/cache/stats").json()["prompt_cache"]
+        assert stats["hits"] == 3 and stats["misses"] == 2
+        assert stats["tokens_reused"] == 39 + 20 + turn1.usage.prompt_tokens - 1
+        assert 0 < stats["bytes"] <= stats["max_bytes"] == 64_000_000
+        assert http.get("/memory").json()["prompt_cache_bytes"] == stats["bytes"]
+        metrics = http.get("/metrics").text
+        assert "flashserve_prompt_cache_hits_total 3.0" in metrics
+        assert f"flashserve_prompt_cache_bytes {float(stats['bytes'])}" in metrics
+    finally:
+        stop_server(server)
+
+
+def test_test_servers_run_cold_unless_asked(llama_server):
+    http = llama_server.http()
+    body = {"prompt": BASE, "max_tokens": 2, "temperature": 0}
+    for _ in range(2):
+        usage = http.post("/v1/completions", json=body).json()["usage"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] == 0
+    assert http.get("/cache/stats").json()["prompt_cache"] is None
