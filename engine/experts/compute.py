@@ -68,14 +68,24 @@ def call_template(
     experts: list[int],
     weights: dict[int, dict[str, mx.array]],
 ) -> mx.array:
-    for module, key, name in info.slots:
+    stacked = {}
+    for _, _, name in info.slots:
         parts = [weights[e][name] for e in experts]
-        module[key] = parts[0][None] if len(parts) == 1 else mx.stack(parts)
+        stacked[name] = parts[0][None] if len(parts) == 1 else mx.stack(parts)
+    return run_template(info, x, remapped, stacked)
+
+
+def run_template(
+    info: OffloadLayer, x: mx.array, indices: mx.array, tensors: dict[str, mx.array]
+) -> mx.array:
+    """The original SwitchGLU on `tensors` (stacked experts, by tensor name)."""
+    for module, key, name in info.slots:
+        module[key] = tensors[name]
     try:
-        return info.template(x, remapped)
+        return info.template(x, indices)
     finally:
         # The lazy graph keeps what it needs; the template must not pin the
-        # stacked copies past this call.
+        # stacked tensors past this call.
         for module, key, _ in info.slots:
             module[key] = EMPTY
 

@@ -44,11 +44,11 @@ from flashserve.engine.experts.cache import (
     chunk_keys,
 )
 from flashserve.engine.experts.compute import (
-    EMPTY,
     OffloadLayer,
     call_template,
     per_expert,
     restore_order,
+    run_template,
 )
 from flashserve.engine.experts.stats import (
     BLOCKED_SECONDS,
@@ -212,13 +212,7 @@ class ExpertOffload:
     def _run_slab(self, info: OffloadLayer, x: mx.array, indices: mx.array) -> mx.array:
         assert info.slab is not None
         self._deferred.append((self._forward, self._token_base, info.layer, indices))
-        for module, key, name in info.slots:
-            module[key] = info.slab[name]
-        try:
-            return info.template(x, indices)
-        finally:
-            for module, key, _ in info.slots:
-                module[key] = EMPTY
+        return run_template(info, x, indices, info.slab)
 
     def _account_deferred(
         self, forward: int, token_base: int, layer: int, indices: mx.array
