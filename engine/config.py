@@ -31,6 +31,9 @@ class EngineConfig:
     max_batch: int = 8
     prefill_step_size: int = 512
     max_queue: int = 64
-    # Prompt cache (memory tier) bytes; 0: off. The server's settings turn it on.
+    # Prompt cache: memory tier bytes, 0 turns the whole cache off; SSD tier
+    # bytes, 0 keeps it in memory only. The server's settings turn both on.
     prompt_cache_bytes: int = 0
+    prompt_cache_disk_bytes: int = 0
+    prompt_cache_dir: str | None = None  # None: the platform's cache dir
     extra: dict = field(default_factory=dict)

@@ -81,6 +81,14 @@ class Settings(BaseSettings):
     prompt_cache_bytes: int = Field(
         1_000_000_000, ge=0, description="memory for cached prompt states; 0 turns reuse off"
     )
+    prompt_cache_disk_bytes: int = Field(
+        10_000_000_000, ge=0, description="SSD for cached prompt states; 0 keeps them in memory"
+    )
+    prompt_cache_dir: str | None = Field(
+        None,
+        description="where they go; default ~/.cache/flashserve/prompt-cache (Linux), "
+        "~/Library/Caches/flashserve/prompt-cache (macOS)",
+    )
     blas: Literal["auto", "mkl", "reference"] = Field(
         "auto", description="Linux: BLAS for float matmuls; auto = mkl when installed"
     )
@@ -101,7 +109,12 @@ class Settings(BaseSettings):
     log_prompts: bool = False
 
     @field_validator(
-        "memory_budget", "shed_floor", "max_body_bytes", "prompt_cache_bytes", mode="before"
+        "memory_budget",
+        "shed_floor",
+        "max_body_bytes",
+        "prompt_cache_bytes",
+        "prompt_cache_disk_bytes",
+        mode="before",
     )
     @classmethod
     def _sizes(cls, value: Any) -> Any:

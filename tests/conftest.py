@@ -33,6 +33,12 @@ TINY_EOS = SPECIAL_TOKENS.index("<|im_end|>")
 NO_EOS = {str(TINY_EOS): -100}
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _private_prompt_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Apps built in this process keep prompt-cache files out of the user's cache dir."""
+    os.environ["FLASHSERVE_PROMPT_CACHE_DIR"] = str(tmp_path_factory.mktemp("prompt-cache"))
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -100,6 +106,8 @@ def start_server(model: Path | str | None, workdir: Path, *args: str) -> Server:
     if "--prompt-cache-bytes" not in args:
         # Tests measure cold prefill unless they ask for the prompt cache.
         cmd += ["--prompt-cache-bytes", "0"]
+    if "--prompt-cache-dir" not in args:
+        cmd += ["--prompt-cache-dir", str(workdir / "prompt-cache")]  # never the user's
     if model is not None:
         cmd += ["--model", str(model)]
     with open(log_path, "wb") as log:
@@ -163,6 +171,15 @@ def serve_app(app: Any) -> Iterator[Server]:
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_model_dir(tmp_path_factory.mktemp("models") / "tiny-llama", "llama")
+
+
+@pytest.fixture(scope="session")
+def cache_arch_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One tiny model per cache type: attention KV (llama, qwen3_moe), recurrent (qwen3_next)."""
+    root = tmp_path_factory.mktemp("cache-archs")
+    return {
+        arch: make_model_dir(root / arch, arch) for arch in ("llama", "qwen3_moe", "qwen3_next")
+    }
 
 
 @pytest.fixture(scope="session")

@@ -82,6 +82,7 @@ def scripted_server(model: Path | None, **settings: Any) -> Iterator[Server]:
     from flashserve.server.settings import load_settings
 
     settings.setdefault("prompt_cache_bytes", 0)  # cold prefill unless a test asks
+    settings.setdefault("prompt_cache_disk_bytes", 0)  # and never the user's cache dir
     loaded = load_settings(model=str(model) if model else None, **settings)
     engine = Engine(loaded.engine_config())
     app = create_app(loaded, engine)

@@ -50,7 +50,7 @@ def test_quick_bench_prints_every_section(tmp_path: Path) -> None:
         "--",
         "--quick",
         "--sections",
-        "layers,experts,batch,prefill",
+        "layers,experts,batch,prefill,prompt-cache",
         "--tokens",
         "4",
         "--work-dir",
@@ -135,3 +135,25 @@ def test_quick_bench_prints_every_section(tmp_path: Path) -> None:
     assert re.search(
         r"^float matmuls on the (mkl|reference|accelerate) BLAS$", proc.stdout, re.MULTILINE
     ), proc.stdout
+
+    cache = [rows for t, rows in tables.items() if t.startswith("Prompt cache:")]
+    assert len(cache) == 1, proc.stdout
+    assert [(r["residency"], r["turn"]) for r in cache[0]] == [
+        (res, str(n)) for res in ("100%", "0%") for n in (1, 2, 3)
+    ]
+    for row in cache[0]:
+        for column in ("cold s", "memory hit s", "disk hit s", "memory / cold", "disk / cold"):
+            assert _number(row[column]) > 0, row
+        # Turn n reuses the n - 1 earlier turns (40 tokens each), from memory and from disk.
+        reused = 40 * (int(row["turn"]) - 1)
+        assert _number(row["reused (memory)"]) == _number(row["reused (disk)"]) == reused, row
+        streamed = row["residency"] == "0%"
+        assert (_number(row["weights MB cold"]) > 0) == streamed, row
+    cache_targets = re.findall(
+        r"^  (100%|0%) residency, (memory hit|disk hit after restart) / cold: [0-9.]+x "
+        r"\(target <= (0.15|0.3)x\) (met|MISSED)$",
+        proc.stdout,
+        re.MULTILINE,
+    )
+    assert len(cache_targets) == 4, proc.stdout
+    assert re.search(r"last-turn memory hit reads \d+ MB of weights", proc.stdout)

@@ -5,6 +5,8 @@ Sections (all by default):
   experts  MoE expert cache at several capacities, prefetch on/off, trace replay
   batch    aggregate tokens/s at 1, 2, 4, 8 concurrent streams
   prefill  prompt tokens/s of quantized models: MLX's kernel vs dequantize + BLAS
+  prompt-cache  time to first token of an 8-turn conversation: cold, memory hit,
+           disk hit after a restart, at 100% and 0% residency
 
 Models are random-weight models of real architectures, written once under
 --work-dir and prepared for streaming. The page cache is dropped before every
@@ -17,7 +19,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from flashserve.engine.bench import batch, experts, layers, prefill
+from flashserve.engine.bench import batch, experts, layers, prefill, prompt_cache
 from flashserve.engine.bench.common import DEFAULT_WORK_DIR
 from flashserve.engine.compute import blas
 
@@ -30,8 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--sections",
-        default="layers,experts,batch,prefill",
-        help="comma list of: layers, experts, batch, prefill",
+        default="layers,experts,batch,prefill,prompt-cache",
+        help="comma list of: layers, experts, batch, prefill, prompt-cache",
     )
     parser.add_argument(
         "--work-dir",
@@ -54,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
             batch.run(args.work_dir, tokens=args.tokens, quick=args.quick)
         elif section == "prefill":
             prefill.run(args.work_dir, quick=args.quick)
+        elif section == "prompt-cache":
+            prompt_cache.run(args.work_dir, quick=args.quick)
         else:
             parser.error(f"unknown section {section!r}")
     return 0

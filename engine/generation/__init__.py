@@ -8,4 +8,6 @@ flashserve.engine but `bench`.
 - `sampling`     a per-request sampler and logits processors (mlx-lm's).
 - `stops`        stop strings matched on text.
 - `constraints`  llguidance grammars as logits processors; forced tokens.
+- `prompt_cache` longest-prefix reuse of prompt states, memory tier;
+                 `prompt_disk` its SSD tier, `prompt_files` one entry's file.
 """

@@ -1,4 +1,4 @@
-"""The prompt cache's memory tier: reuse the longest cached prefix of a prompt.
+"""The prompt cache: a prompt starts from the longest prefix already computed.
 
 Editors and agents resend the whole conversation every turn. The worker
 stores each prompt's cache state (attention KV, or a hybrid model's recurrent
@@ -6,22 +6,38 @@ state) when its prefill reaches the prompt's last token, keyed by those
 tokens. A later prompt starts from the longest stored prefix and prefills
 only the rest.
 
-The store is mlx-lm's LRUPromptCache: a token trie, least recently used
-first out, bounded here in bytes. It returns a deep copy, so generation never
-changes a stored entry. An entry that runs past the new prompt (the prompt
-diverged, e.g. a template dropped earlier reasoning) is trimmed to the common
-prefix, never more. A cache that cannot be trimmed (recurrent state) is only
-reused when the whole entry is a prefix of the prompt.
+Two tiers:
+- memory: mlx-lm's LRUPromptCache, a token trie, least recently used first
+  out, bounded here in bytes (`prompt_cache_bytes`). It returns a deep copy,
+  so generation never changes a stored entry. Under memory pressure it gives
+  memory back before resident layers are shed.
+- disk (prompt_disk.py, optional): every stored state is also written to
+  `prompt_cache_dir`, so what memory evicted, and what a past run of the same
+  weights computed, is read back instead of prefilled. A disk entry read
+  back moves into memory.
 
-Everything here runs on the worker thread; `snapshot` only reads counters.
+An entry that runs past the new prompt (the prompt diverged, e.g. a template
+dropped earlier reasoning) is trimmed to the common prefix, never more. A
+cache that cannot be trimmed (recurrent state) is only reused when the whole
+entry is a prefix of the prompt.
+
+Everything here runs on the worker thread but the disk tier's writer;
+`snapshot` only reads counters.
 """
 
 from __future__ import annotations
 
+import copy
+import logging
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
+
+from flashserve.engine.generation import prompt_files
+from flashserve.engine.generation.prompt_disk import DiskTier
+
+log = logging.getLogger(__name__)
 
 # Entries are bounded by bytes; the count bound of LRUPromptCache is not used.
 _NO_COUNT_LIMIT = 1 << 30
@@ -29,12 +45,18 @@ _NO_COUNT_LIMIT = 1 << 30
 
 @dataclass
 class PromptCacheStats:
-    """Counters since start, served in /cache/stats and /metrics."""
+    """Counters since start over both tiers, served in /cache/stats and /metrics."""
 
-    hits: int = 0  # prompts that started from a stored prefix
+    hits: int = 0  # prompts that started from a stored prefix (either tier)
     misses: int = 0  # prompts prefilled from the start
     tokens_reused: int = 0  # prompt tokens not prefilled thanks to the cache
     tokens_prefilled: int = 0  # prompt tokens prefilled by requests that asked the cache
+
+
+@dataclass
+class MemoryStats:
+    hits: int = 0  # prompts served from memory
+    misses: int = 0  # prompts memory could not serve (the disk tier is asked next)
     stored: int = 0  # entries written
     released_bytes: int = 0  # bytes given back under memory pressure
 
@@ -42,11 +64,14 @@ class PromptCacheStats:
 class PromptCache:
     """Longest-prefix reuse of prompt cache states, for one model."""
 
-    def __init__(self, max_bytes: int, model_key: str) -> None:
+    def __init__(self, max_bytes: int, model_key: str, disk: DiskTier | None = None) -> None:
         self.max_bytes = int(max_bytes)
         self.model_key = model_key
+        self.disk = disk
         self.stats = PromptCacheStats()
+        self.memory_stats = MemoryStats()
         self._store = LRUPromptCache(max_size=_NO_COUNT_LIMIT, max_bytes=self.max_bytes)
+        self._unstorable_logged = False
 
     @property
     def nbytes(self) -> int:
@@ -62,16 +87,20 @@ class PromptCache:
         At least the prompt's last token is always left to prefill: the model
         must see it to produce the first new token's logits.
         """
-        cache, rest = self._store.fetch_nearest_cache(self.model_key, list(prompt))
-        reused = len(prompt) - len(rest) if cache is not None else 0
-        if cache is not None and reused >= len(prompt):
-            if can_trim_prompt_cache(cache):
-                trim_prompt_cache(cache, reused - len(prompt) + 1)
-                reused = len(prompt) - 1
-            else:
-                cache, reused = None, 0
-        if reused <= 0:
-            cache, reused = None, 0
+        prompt = list(prompt)
+        cache, reused = self._from_memory(prompt)
+        tier = "memory" if cache is not None else None
+        if self.disk is not None:
+            found = self.disk.lookup(prompt)
+            if found is not None and found[2] > reused:
+                from_disk = self._from_disk(*found)
+                if from_disk is not None:
+                    cache, reused, tier = from_disk, found[2], "disk"
+            if tier != "memory":
+                self.disk.stats.hits += tier == "disk"
+                self.disk.stats.misses += tier is None
+        self.memory_stats.hits += tier == "memory"
+        self.memory_stats.misses += tier != "memory"
         if cache is None:
             self.stats.misses += 1
         else:
@@ -84,25 +113,68 @@ class PromptCache:
         """Keep `cache` (the state after exactly `tokens`); it must not be used elsewhere."""
         if not tokens or self.max_bytes <= 0:
             return
-        self._store.insert_cache(self.model_key, list(tokens), cache)
-        self.stats.stored += 1
+        tokens = list(tokens)
+        self._store.insert_cache(self.model_key, tokens, cache)
+        self.memory_stats.stored += 1
+        if self.disk is not None and not self.disk.contains(tokens):
+            try:
+                self.disk.put(prompt_files.prepare(tokens, cache))
+            except Exception as exc:  # the disk tier is an extra: never fail a request for it
+                if not self._unstorable_logged:
+                    log.warning("prompt cache states of this model stay in memory: %s", exc)
+                    self._unstorable_logged = True
 
     def shrink(self, deficit: int) -> int:
         """Give back at least `deficit` bytes (oldest entries first); return bytes freed.
 
         A pressure hook of the residency manager: it runs before resident
-        layers are shed.
+        layers are shed. Entries freed here stay on disk when the disk tier is on.
         """
         before = self.nbytes
         self._store.trim_to(n_bytes=max(0, before - int(deficit)))
         freed = before - self.nbytes
-        self.stats.released_bytes += freed
+        self.memory_stats.released_bytes += freed
         return freed
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Finish the disk tier's pending writes (entries survive the restart)."""
+        if self.disk is not None:
+            self.disk.close(timeout)
 
     def snapshot(self) -> dict[str, Any]:
         return {
-            "max_bytes": self.max_bytes,
-            "entries": self.entries,
-            "bytes": self.nbytes,
             **asdict(self.stats),
+            "memory": {
+                "max_bytes": self.max_bytes,
+                "entries": self.entries,
+                "bytes": self.nbytes,
+                **asdict(self.memory_stats),
+            },
+            "disk": self.disk.snapshot() if self.disk is not None else None,
         }
+
+    def _from_memory(self, prompt: list[int]) -> tuple[list[Any] | None, int]:
+        cache, rest = self._store.fetch_nearest_cache(self.model_key, prompt)
+        reused = len(prompt) - len(rest) if cache is not None else 0
+        if cache is not None and reused >= len(prompt):
+            if can_trim_prompt_cache(cache):
+                trim_prompt_cache(cache, reused - len(prompt) + 1)
+                reused = len(prompt) - 1
+            else:
+                cache, reused = None, 0
+        if reused <= 0:
+            return None, 0
+        return cache, reused
+
+    def _from_disk(self, name: str, entry_tokens: int, usable: int) -> list[Any] | None:
+        """The disk entry `name` cut back to `usable` tokens; it also moves into memory."""
+        assert self.disk is not None
+        loaded = self.disk.load(name)
+        if loaded is None:
+            return None
+        tokens, cache = loaded
+        if self.max_bytes > 0:
+            self._store.insert_cache(self.model_key, tokens, copy.deepcopy(cache))
+        if entry_tokens > usable:
+            trim_prompt_cache(cache, entry_tokens - usable)
+        return cache

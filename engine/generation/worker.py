@@ -14,13 +14,16 @@ import queue
 import threading
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from mlx_lm.generate import BatchGenerator, StopSequences
 
 from flashserve.engine.compute import blas
 from flashserve.engine.config import EngineConfig
+from flashserve.engine.generation import prompt_disk
 from flashserve.engine.generation.prompt_cache import PromptCache
+from flashserve.engine.generation.prompt_disk import DiskTier
 from flashserve.engine.generation.requests import (
     DoneEvent,
     ErrorEvent,
@@ -35,7 +38,8 @@ from flashserve.engine.generation.sampling import (
 )
 from flashserve.engine.generation.stops import StopMatcher
 from flashserve.engine.loader import load
-from flashserve.engine.weights.model import LoadedModel
+from flashserve.engine.weights.fingerprint import weights_fingerprint
+from flashserve.engine.weights.model import LoadedModel, compute_dtype
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +116,8 @@ class Engine:
         self._queue.put(None)
         self._thread.join(timeout)
         self.state = "stopped"
+        if self.prompt_cache is not None:
+            self.prompt_cache.close(timeout)  # pending disk writes: they outlive the run
         experts = self.loaded.experts if self.loaded is not None else None
         if experts is not None:
             experts.close()  # flushes the routing trace, stops the pread pool
@@ -154,7 +160,15 @@ class Engine:
     def _make_prompt_cache(self, loaded: LoadedModel) -> PromptCache | None:
         if self.config.prompt_cache_bytes <= 0:
             return None
-        cache = PromptCache(self.config.prompt_cache_bytes, loaded.model_id)
+        disk = None
+        if self.config.prompt_cache_disk_bytes > 0:
+            directory = self.config.prompt_cache_dir or prompt_disk.default_dir()
+            try:
+                fingerprint = weights_fingerprint(loaded.path, loaded.config, str(compute_dtype()))
+                disk = DiskTier(Path(directory), self.config.prompt_cache_disk_bytes, fingerprint)
+            except OSError as exc:
+                log.warning("prompt cache stays in memory: %s is not usable (%s)", directory, exc)
+        cache = PromptCache(self.config.prompt_cache_bytes, loaded.model_id, disk)
         residency = getattr(loaded.streamer, "residency", None)
         if residency is not None:
             # Under memory pressure the prompt cache gives memory back before
@@ -200,13 +214,13 @@ class Engine:
         if not active:
             return
         self.stats.batch_size = len(active)
-        read_before = self._bytes_read()
+        read_before = self.weight_bytes_read()
         prompt_responses, responses = batch.next()
         self._store_prompts(batch, active, prompt_responses)
         self.stats.steps += 1
         self.stats.batch_size_sum += len(active)
         self.stats.batch_size_steps[bisect.bisect_left(BATCH_SIZE_BUCKETS, len(active))] += 1
-        self.stats.last_step_read_bytes = self._bytes_read() - read_before
+        self.stats.last_step_read_bytes = self.weight_bytes_read() - read_before
         self.stats.kv_cache_bytes = batch.prompt_cache_nbytes
         for response in responses:
             self._on_token(batch, active, response)
@@ -290,6 +304,8 @@ class Engine:
                 batch.remove([response.uid])
                 finish = "stop"
         if finish is not None:
+            if response.prompt_cache is not None and response.finish_reason is not None:
+                self._store_finished(entry, response)
             self._finish(active, response.uid, finish)
 
     def _finish(self, active: dict[int, _Active], uid: int, reason: str) -> None:
@@ -340,13 +356,19 @@ class Engine:
         for uid, (cache, _) in batch.extract_cache(done).items():
             self.prompt_cache.store(list(active[uid].handle.request.prompt_tokens[:-1]), cache)
 
+    def _store_finished(self, entry: _Active, response: Any) -> None:
+        """Store the state after the prompt and its answer: the next turn of a
+        conversation resends both, so it prefills only what came after."""
+        if self.prompt_cache is not None and entry.handle.request.use_prompt_cache:
+            self.prompt_cache.store(list(response.all_tokens), response.prompt_cache)
+
     def _check_memory(self) -> None:
         streamer = self.loaded.streamer if self.loaded is not None else None
         check = getattr(streamer, "check_memory", None)
         if check is not None:
             check()
 
-    def _bytes_read(self) -> int:
+    def weight_bytes_read(self) -> int:
         """Weight bytes read from disk so far: streamed layers and offloaded experts."""
         loaded = self.loaded
         total = 0

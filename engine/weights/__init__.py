@@ -9,5 +9,6 @@
                     reading and checking it.
 - `prepare`         `flashserve prepare`: write that layout from any model.
 - `tokenizer`       the Hugging Face tokenizer inside mlx-lm's wrapper.
+- `fingerprint`     a cheap hash of the weights (the prompt cache's SSD tier).
 - `synthetic`       tiny random-weight models of real mlx-lm architectures.
 """

@@ -82,18 +82,48 @@ class CacheStepView(BaseModel):
     )
 
 
-class PromptCacheView(BaseModel):
-    """The prompt cache (prefix reuse across requests), memory tier."""
+class PromptMemoryView(BaseModel):
+    """The prompt cache's memory tier."""
 
     max_bytes: int = Field(description="memory the cached prompt states may use")
     entries: int
     bytes: int
-    hits: int = Field(description="prompts that started from a cached prefix")
+    hits: int = Field(description="prompts served from memory")
+    misses: int = Field(description="prompts memory could not serve")
+    stored: int = Field(description="prompt states stored")
+    released_bytes: int = Field(description="bytes given back under memory pressure")
+
+
+class PromptDiskView(BaseModel):
+    """The prompt cache's SSD tier."""
+
+    dir: str
+    max_bytes: int = Field(description="bound of the whole directory, other models included")
+    entries: int = Field(description="entries of this model")
+    bytes: int = Field(description="bytes of this model's entries")
+    dir_bytes: int = Field(description="bytes of every entry in the directory")
+    hits: int = Field(description="prompts served from an entry read back from disk")
+    misses: int = Field(description="prompts neither tier could serve")
+    bytes_read: int
+    bytes_written: int
+    written: int = Field(description="entries written")
+    evicted: int = Field(description="entries deleted to stay in budget or made redundant")
+    discarded: int = Field(description="corrupt or truncated entries deleted, never served")
+    write_errors: int = Field(description="writes that failed (e.g. disk full), logged")
+    dropped: int = Field(description="states not written because the writer was behind")
+
+
+class PromptCacheView(BaseModel):
+    """The prompt cache (prefix reuse across requests and restarts)."""
+
+    hits: int = Field(description="prompts that started from a cached prefix (either tier)")
     misses: int = Field(description="prompts prefilled from their first token")
     tokens_reused: int = Field(description="prompt tokens restored instead of prefilled")
     tokens_prefilled: int
-    stored: int = Field(description="prompt states stored")
-    released_bytes: int = Field(description="bytes given back under memory pressure")
+    memory: PromptMemoryView
+    disk: PromptDiskView | None = Field(
+        description="null: prompt_cache_disk_bytes is 0 (memory only)"
+    )
 
 
 class CacheStatsResponse(BaseModel):
@@ -196,15 +226,25 @@ def metric_numbers(engine: Engine) -> dict[str, Any]:
     return data
 
 
-_PROMPT_CACHE_GAUGES = {"max_bytes", "entries", "bytes"}
+_PROMPT_CACHE_GAUGES = {"max_bytes", "entries", "bytes", "dir_bytes"}
 
 
 def prompt_cache_metric_numbers(engine: Engine) -> dict[str, Any]:
-    """The prompt_cache block of /cache/stats for /metrics: counters get `_total`."""
+    """The prompt_cache block of /cache/stats for /metrics: counters get `_total`,
+    a tier's numbers its name (`memory_hits_total`, `disk_bytes_read_total`)."""
     view = _prompt_cache_view(engine) if getattr(engine, "loaded", None) is not None else None
     if view is None:
         return {}
+    data = view.model_dump()
+    tiers = {name: data.pop(name) or {} for name in ("memory", "disk")}
+    flat = {
+        f"{tier}_{key}": (key, value)
+        for tier, block in tiers.items()
+        for key, value in block.items()
+        if key != "dir"
+    }
+    flat |= {key: (key, value) for key, value in data.items()}
     return {
-        key if key in _PROMPT_CACHE_GAUGES else f"{key}_total": value
-        for key, value in view.model_dump().items()
+        name if key in _PROMPT_CACHE_GAUGES else f"{name}_total": value
+        for name, (key, value) in flat.items()
     }

@@ -1,0 +1,232 @@
+"""One prompt-cache entry on disk: a cache state in a checksummed file.
+
+Layout, little-endian:
+
+    8 B   magic b"FSPCACHE"
+    4 B   format version (FORMAT_VERSION)
+    4 B   header length H
+    32 B  blake2b-256 of the header
+    H B   header, JSON: model fingerprint, the prompt tokens, whether the
+          state can be trimmed, the state's skeleton, one (dtype, shape,
+          nbytes) per array, blake2b-256 of the payload
+    ...   payload: the arrays' bytes, back to back
+
+The skeleton is each cache's class name (from mlx_lm.models.cache) and its
+`state` with every array replaced by {"array": i}, so any cache type whose
+state is arrays, numbers, strings and lists round-trips (KVCache,
+RotatingKVCache, ArraysCache, CacheList, ...). Arrays are stored as raw bytes
+of their dtype (bfloat16 included), so a state read back is bit-identical.
+
+`prepare` runs on the worker thread (the thread that owns MLX work): it
+evaluates the arrays and takes byte views of them. `write` and `read` touch
+only bytes and files, so they can run on any thread.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models import cache as mlx_cache
+
+MAGIC = b"FSPCACHE"
+FORMAT_VERSION = 1
+SUFFIX = ".fpc"
+_PREAMBLE = struct.Struct("<8sII32s")
+
+_DTYPES = {
+    name: getattr(mx, name)
+    for name in (
+        "bool_",
+        "uint8",
+        "uint16",
+        "uint32",
+        "uint64",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "float16",
+        "bfloat16",
+        "float32",
+        "float64",
+        "complex64",
+    )
+    if hasattr(mx, name)
+}
+_DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+
+
+class EntryError(ValueError):
+    """The file is not a usable entry: corrupt, truncated, or not ours."""
+
+
+class ForeignEntry(EntryError):
+    """A sound entry written by other weights or another cache format."""
+
+
+@dataclass
+class PreparedEntry:
+    """A cache state ready to be written; holds byte views of evaluated arrays."""
+
+    tokens: list[int]
+    trimmable: bool
+    skeleton: list[Any]
+    arrays: list[tuple[str, list[int], memoryview]]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the file this entry makes (the header estimated from the tokens)."""
+        payload = sum(view.nbytes for _, _, view in self.arrays)
+        return _PREAMBLE.size + 12 * len(self.tokens) + 4096 + payload
+
+
+@dataclass
+class EntryHeader:
+    model: str
+    tokens: list[int]
+    trimmable: bool
+    file_bytes: int
+
+
+def prepare(tokens: list[int], cache: list[Any]) -> PreparedEntry:
+    """Serialize-ready view of `cache`, the state after exactly `tokens`.
+
+    Raises TypeError when the state holds something that cannot be stored.
+    """
+    arrays: list[mx.array] = []
+    skeleton = [[type(c).__name__, _skeleton(c.state, arrays)] for c in cache]
+    views = [mx.contiguous(a).reshape(-1).view(mx.uint8) for a in arrays]
+    mx.eval(*views)
+    return PreparedEntry(
+        tokens=[int(t) for t in tokens],
+        trimmable=bool(mlx_cache.can_trim_prompt_cache(cache)),
+        skeleton=skeleton,
+        arrays=[
+            (_DTYPE_NAMES[a.dtype], list(a.shape), memoryview(v))
+            for a, v in zip(arrays, views, strict=True)
+        ],
+    )
+
+
+def write(path: Path, model: str, entry: PreparedEntry) -> int:
+    """Write `entry` to `path` atomically (temp file, fsync, rename); return its bytes."""
+    digest = hashlib.blake2b(digest_size=32)
+    for _, _, view in entry.arrays:
+        digest.update(view)
+    header = json.dumps(
+        {
+            "model": model,
+            "tokens": entry.tokens,
+            "trimmable": entry.trimmable,
+            "skeleton": entry.skeleton,
+            "arrays": [[dtype, shape, view.nbytes] for dtype, shape, view in entry.arrays],
+            "payload": digest.hexdigest(),
+        },
+        separators=(",", ":"),
+    ).encode()
+    header_digest = hashlib.blake2b(header, digest_size=32).digest()
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        # Entries hold conversations (their tokens): readable by the owner only.
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
+            f.write(_PREAMBLE.pack(MAGIC, FORMAT_VERSION, len(header), header_digest))
+            f.write(header)
+            for _, _, view in entry.arrays:
+                f.write(view)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path.stat().st_size
+
+
+def read_header(path: Path, model: str) -> EntryHeader:
+    """The header of the entry at `path`, checked; raises EntryError or ForeignEntry."""
+    with open(path, "rb") as f:
+        header, _ = _read_header(f, model)
+        size = os.fstat(f.fileno()).st_size
+    return EntryHeader(model, header["tokens"], header["trimmable"], size)
+
+
+def read(path: Path, model: str) -> tuple[list[int], list[Any]]:
+    """(tokens, cache state) of the entry at `path`, every byte checked."""
+    with open(path, "rb") as f:
+        header, _ = _read_header(f, model)
+        payload = f.read()
+    specs = header["arrays"]
+    if len(payload) != sum(n for _, _, n in specs):
+        raise EntryError(f"payload is {len(payload)} bytes, header says otherwise (truncated?)")
+    if hashlib.blake2b(payload, digest_size=32).hexdigest() != header["payload"]:
+        raise EntryError("payload checksum mismatch")
+    arrays, offset = [], 0
+    buffer = np.frombuffer(payload, dtype=np.uint8)
+    for dtype, shape, nbytes in specs:
+        if dtype not in _DTYPES:
+            raise EntryError(f"unknown dtype {dtype!r}")
+        raw = mx.array(buffer[offset : offset + nbytes])
+        arrays.append(raw.view(_DTYPES[dtype]).reshape(shape))
+        offset += nbytes
+    cache = [
+        _cache_class(name).from_state(_rebuild(state, arrays)) for name, state in header["skeleton"]
+    ]
+    return header["tokens"], cache
+
+
+def _read_header(f: Any, model: str) -> tuple[dict[str, Any], int]:
+    preamble = f.read(_PREAMBLE.size)
+    if len(preamble) < _PREAMBLE.size:
+        raise EntryError("truncated before the header")
+    magic, version, length, digest = _PREAMBLE.unpack(preamble)
+    if magic != MAGIC:
+        raise EntryError("not a flashserve prompt-cache file")
+    if version != FORMAT_VERSION:
+        raise ForeignEntry(f"cache format {version}, this flashserve reads {FORMAT_VERSION}")
+    raw = f.read(length)
+    if len(raw) < length or hashlib.blake2b(raw, digest_size=32).digest() != digest:
+        raise EntryError("header checksum mismatch (truncated or corrupt)")
+    try:
+        header = json.loads(raw)
+    except ValueError as exc:
+        raise EntryError(f"unreadable header: {exc}") from None
+    if header.get("model") != model:
+        raise ForeignEntry("made by other weights")
+    return header, _PREAMBLE.size + length
+
+
+def _skeleton(value: Any, arrays: list[mx.array]) -> Any:
+    if isinstance(value, mx.array):
+        arrays.append(value)
+        return {"array": len(arrays) - 1}
+    if isinstance(value, (list, tuple)):
+        return [_skeleton(v, arrays) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise TypeError(f"cache state holds a {type(value).__name__}, which is not stored")
+
+
+def _rebuild(value: Any, arrays: list[mx.array]) -> Any:
+    if isinstance(value, dict):
+        try:
+            return arrays[value["array"]]
+        except (KeyError, IndexError, TypeError):
+            raise EntryError("skeleton names an array the file does not hold") from None
+    if isinstance(value, list):
+        return [_rebuild(v, arrays) for v in value]
+    return value
+
+
+def _cache_class(name: str) -> type:
+    cls = getattr(mlx_cache, name, None)
+    if not isinstance(cls, type) or not hasattr(cls, "from_state"):
+        raise EntryError(f"unknown cache class {name!r}")
+    return cls
