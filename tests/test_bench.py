@@ -142,7 +142,10 @@ def test_quick_bench_prints_every_section(tmp_path: Path) -> None:
         (res, str(n)) for res in ("100%", "0%") for n in (1, 2, 3)
     ]
     for row in cache[0]:
-        for column in ("cold s", "memory hit s", "disk hit s", "memory / cold", "disk / cold"):
+        # Times of the tiny model may print as 0.00 s; the ratios come from unrounded times.
+        for column in ("cold s", "memory hit s", "disk hit s"):
+            assert _number(row[column]) >= 0, row
+        for column in ("memory / cold", "disk / cold"):
             assert _number(row[column]) > 0, row
         # Turn n reuses the n - 1 earlier turns (40 tokens each), from memory and from disk.
         reused = 40 * (int(row["turn"]) - 1)

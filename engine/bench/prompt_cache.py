@@ -30,6 +30,7 @@ from pathlib import Path
 from flashserve.engine.bench.common import bench_model, print_table, start_engine
 from flashserve.engine.config import EngineConfig
 from flashserve.engine.generation.requests import (
+    DoneEvent,
     ErrorEvent,
     GenerationRequest,
     SamplingParams,
@@ -100,7 +101,8 @@ def first_token(engine: Engine, prompt: list[int], use_cache: bool) -> Turn:
                 raise RuntimeError(f"bench request failed: {event.message}")
             if isinstance(event, TokenEvent) and not first:
                 first = time.perf_counter() - start
-            cached = getattr(event, "cached_tokens", cached)
+            if isinstance(event, DoneEvent):
+                cached = event.cached_tokens
         return first, cached
 
     ttft, cached = asyncio.run(go())

@@ -236,15 +236,10 @@ def prompt_cache_metric_numbers(engine: Engine) -> dict[str, Any]:
     if view is None:
         return {}
     data = view.model_dump()
-    tiers = {name: data.pop(name) or {} for name in ("memory", "disk")}
-    flat = {
-        f"{tier}_{key}": (key, value)
-        for tier, block in tiers.items()
-        for key, value in block.items()
-        if key != "dir"
-    }
-    flat |= {key: (key, value) for key, value in data.items()}
-    return {
-        name if key in _PROMPT_CACHE_GAUGES else f"{name}_total": value
-        for name, (key, value) in flat.items()
-    }
+    memory, disk = data.pop("memory"), data.pop("disk") or {}
+    out: dict[str, Any] = {}
+    for prefix, block in (("", data), ("memory_", memory), ("disk_", disk)):
+        for key, value in block.items():
+            if key != "dir":  # a path, not a number
+                out[prefix + key + ("" if key in _PROMPT_CACHE_GAUGES else "_total")] = value
+    return out
