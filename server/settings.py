@@ -77,6 +77,12 @@ class Settings(BaseSettings):
     # Generation
     max_batch: int = Field(8, ge=1, le=256)
     prefill_step_size: int = Field(512, ge=16)
+    prefill_order: Literal["auto", "chunked"] = Field(
+        "auto", description="auto: layer-major when weights come from disk; chunked: mlx-lm's"
+    )
+    prefill_group_bytes: int = Field(
+        512_000_000, ge=1, description="activations a layer-major prefill may hold"
+    )
     max_queue: int = Field(64, ge=1)
     prompt_cache_bytes: int = Field(
         1_000_000_000, ge=0, description="memory for cached prompt states; 0 turns reuse off"
@@ -114,6 +120,7 @@ class Settings(BaseSettings):
         "max_body_bytes",
         "prompt_cache_bytes",
         "prompt_cache_disk_bytes",
+        "prefill_group_bytes",
         mode="before",
     )
     @classmethod

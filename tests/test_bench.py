@@ -136,6 +136,23 @@ def test_quick_bench_prints_every_section(tmp_path: Path) -> None:
         r"^float matmuls on the (mkl|reference|accelerate) BLAS$", proc.stdout, re.MULTILINE
     ), proc.stdout
 
+    offloaded = [rows for t, rows in tables.items() if t.startswith("Prefill from disk")]
+    assert len(offloaded) == 1, proc.stdout
+    labels = ("dense f32, 0% resident", "MoE f32, 10% expert cache", "MoE f32, 25% expert cache")
+    assert [(r["model"], r["prompt tokens"]) for r in offloaded[0]] == [
+        (label, str(n)) for label in labels for n in (64, 160)
+    ]
+    for row in offloaded[0]:
+        assert _number(row["bound s"]) >= _number(row["one pass / disk s"]) > 0, row
+        # One read of each streamed layer or needed expert per prefill (the dense row's
+        # pass is exact; an MoE prompt needs some of the experts), and fewer than chunked.
+        assert 0 < _number(row["read / one pass"]) <= 1.0, row
+        if row["prompt tokens"] == "160":  # 5 chunks of 32
+            assert _number(row["chunked read / one pass"]) > _number(row["read / one pass"]), row
+    kept = [rows for t, rows in tables.items() if t.startswith("Expert cache (25%)")]
+    assert len(kept) == 1 and _number(kept[0][0]["after / before"]) >= 0.95, proc.stdout
+    assert len(re.findall(r"\(target (<=|>=) [0-9.]+x\) (met|MISSED)$", proc.stdout, re.M)) >= 7
+
     cache = [rows for t, rows in tables.items() if t.startswith("Prompt cache:")]
     assert len(cache) == 1, proc.stdout
     assert [(r["residency"], r["turn"]) for r in cache[0]] == [

@@ -138,9 +138,13 @@ def test_routing_trace_is_written(moe_server: Server) -> None:
     while not trace.exists() or not trace.read_text().strip():
         assert time.monotonic() < deadline, "no routing trace written"
         time.sleep(0.1)
-    line = json.loads(trace.read_text().splitlines()[0])
-    assert set(line) == {"fwd", "token", "layer", "experts"}
-    assert len(line["experts"]) == 2
+    lines = [json.loads(text) for text in trace.read_text().splitlines()]
+    # The prompt's lines come first and say so: a prefill call never evicts.
+    assert set(lines[0]) == {"fwd", "token", "layer", "experts", "prefill"}
+    assert lines[0]["prefill"] is True
+    assert len(lines[0]["experts"]) == 2
+    decoded = [line for line in lines if "prefill" not in line]
+    assert decoded and set(decoded[0]) == {"fwd", "token", "layer", "experts"}
 
 
 def test_polling_does_not_wait_for_generation(moe_server: Server) -> None:

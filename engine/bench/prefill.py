@@ -1,4 +1,5 @@
-"""The `prefill` section of `flashserve bench`: prompt tokens/s of quantized models.
+"""The `prefill` section of `flashserve bench`: prompt tokens/s of quantized models,
+and time to first token when weights come from disk (bench/prefill_offload.py).
 
 Side by side in one process, for the default model (SmolLM2 Q4_1 GGUF) and a
 4-bit random llama: a prompt of 32, 128 and 512 tokens prefilled through
@@ -65,8 +66,11 @@ def _set_path(model: nn.Module, blas_path: bool) -> None:
 
 
 def run(work_dir: Path, *, quick: bool = False) -> None:
+    from flashserve.engine.bench import prefill_offload
     from flashserve.engine.bench.common import bench_model, print_table
     from flashserve.engine.loader import load
+
+    prefill_offload.run(work_dir, quick=quick)
 
     lengths = (16, 64) if quick else (32, 128, 512)
     repeats = 1 if quick else 3

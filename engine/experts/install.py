@@ -28,8 +28,8 @@ from flashserve.engine.experts.cache import (
     make_policy,
 )
 from flashserve.engine.experts.compute import EMPTY, OffloadLayer
-from flashserve.engine.experts.offload import CachedExpert, ExpertOffload
-from flashserve.engine.experts.store import ExpertStore, layouts_from_manifest
+from flashserve.engine.experts.offload import ExpertOffload
+from flashserve.engine.experts.store import CachedExpert, ExpertStore, layouts_from_manifest
 from flashserve.engine.experts.trace import RoutingTrace
 from flashserve.engine.weights.model import ModelLoadError
 
@@ -121,6 +121,7 @@ def install_expert_offload(
     verify: bool = True,
     window_tokens: int = 256,
     stacked: bool = False,
+    drop_page_cache: bool = False,
 ) -> ExpertOffload:
     """Replace every SwitchGLU of a prepared model with an OffloadedSwitchGLU.
 
@@ -180,7 +181,7 @@ def install_expert_offload(
             if infos[layer].router is None:
                 log.warning("layer %d: no router found; its experts are not prefetched", layer)
 
-    store = ExpertStore(layouts, threads=threads, verify=verify)
+    store = ExpertStore(layouts, threads=threads, verify=verify, drop_page_cache=drop_page_cache)
     # LFU's half-life is counted in decoded tokens: one token uses top-k experts per layer.
     cache_policy = make_policy(policy, accesses_per_token=sum(i.top_k for i in infos.values()))
 
@@ -243,6 +244,7 @@ def offload_from_config(
             verify=bool(config.extra.get("expert_verify", True)),
             window_tokens=int(config.extra.get("expert_stats_window", 256)),
             stacked=config.extra.get("expert_compute", "per-expert") == "stacked",
+            drop_page_cache=bool(config.extra.get("stream_drop_page_cache", False)),
         )
     except (CacheCapacityError, ValueError, OSError) as exc:
         raise ModelLoadError(f"expert cache: {exc}") from exc

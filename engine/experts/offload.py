@@ -21,9 +21,10 @@ them. A call receives `(x, indices)` exactly like SwitchGLU.__call__ and:
    experts into one compact stack and makes a single call with remapped
    indices (one copy of the experts per call; kept for comparison).
 
-When one call needs more experts than the cache holds (a long prompt's union
-with a small cache), the experts are processed in chunks that fit: each chunk
-is evaluated before the next chunk evicts it. No expert is ever skipped.
+When one call needs more experts than the cache holds, the experts are
+processed in chunks that fit: each chunk is evaluated before the next chunk
+evicts it. No expert is ever skipped. A prefill call (sequences longer than
+one token) goes expert-major instead and never evicts (experts/prefill.py).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -50,6 +52,7 @@ from flashserve.engine.experts.compute import (
     restore_order,
     run_template,
 )
+from flashserve.engine.experts.prefill import expert_major
 from flashserve.engine.experts.stats import (
     BLOCKED_SECONDS,
     BYTES_READ,
@@ -72,16 +75,10 @@ from flashserve.engine.experts.stats import (
     CacheStats,
     ExpertStats,
 )
-from flashserve.engine.experts.store import ExpertStore, ReadResult
+from flashserve.engine.experts.store import CachedExpert, ExpertStore, ReadResult
 from flashserve.engine.experts.trace import RoutingTrace
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class CachedExpert:
-    buffer: mx.array | None  # the record as read (uint8), tensors are views of it; None: slab
-    tensors: dict[str, mx.array]
 
 
 @dataclass
@@ -123,14 +120,21 @@ class ExpertOffload:
         total_bytes = sum(i.layout.num_experts * i.layout.record_bytes for i in layers.values())
         self.all_fit = cache.capacity.fits(total, total_bytes)
         self._deferred: deque[tuple[int, int, int, mx.array]] = deque()
+        # Expert reads in flight during a prefill call: enough to keep every
+        # I/O thread busy while the experts before them compute.
+        self.prefill_window = max(2 * store.threads, 4)
+        # Set by layer-major prefill (generation/prefill.py) while it runs: MoE
+        # calls go to it, so the calls of every chunk become one prefill call.
+        self.gather: Callable[[int, mx.array, mx.array], mx.array] | None = None
 
     # -- the call -------------------------------------------------------------------
 
     def run(self, layer: int, x: mx.array, indices: mx.array) -> mx.array:
-        info = self.layers[layer]
-        indices = mx.stop_gradient(indices)
-        if layer == self.first_layer:
-            self._new_forward(int(indices.size // indices.shape[-1]))
+        if self.gather is not None:
+            return self.gather(layer, x, indices)
+        if indices.ndim > 2 and indices.shape[-2] > 1:
+            return self.run_prefill(layer, x, indices)
+        info, indices = self._enter(layer, indices)
         if info.slab is not None:
             return self._run_slab(info, x, indices)
         predicted = None
@@ -159,6 +163,39 @@ class ExpertOffload:
             self._make_slab(info)
         return out
 
+    def run_prefill(self, layer: int, x: mx.array, indices: mx.array) -> mx.array:
+        """A prefill call (sequences longer than one token): expert-major, each needed
+        expert read once, decode's working set left in place (experts/prefill.py)."""
+        info, indices = self._enter(layer, indices)
+        if info.slab is not None:
+            return self._run_slab(info, x, indices)
+        mx.eval(indices)
+        ids = np.array(indices)
+        needed = self._account(layer, ids, self._forward, self._token_base, prefill=True)
+        self._predicted.pop(layer, None)
+        self._discard_unused(layer, self._pending.pop(layer, {}), set())
+        outs, positions = expert_major(
+            info,
+            x.reshape(-1, x.shape[-1]),
+            ids.reshape(-1, ids.shape[-1]),
+            needed,
+            cache=self.cache,
+            store=self.store,
+            stats=self.stats,
+            window=self.prefill_window,
+        )
+        out = restore_order(outs, positions, ids.shape)
+        if self.all_fit and self._layer_complete(info):
+            self._make_slab(info)
+        return out
+
+    def _enter(self, layer: int, indices: mx.array) -> tuple[OffloadLayer, mx.array]:
+        """What every call starts with: the layer, its routing, a new forward at layer 0."""
+        indices = mx.stop_gradient(indices)
+        if layer == self.first_layer:
+            self._new_forward(int(indices.size // indices.shape[-1]))
+        return self.layers[layer], indices
+
     def _new_forward(self, tokens: int) -> None:
         self._forward += 1
         self._token_base += self._last_tokens
@@ -170,11 +207,13 @@ class ExpertOffload:
         while self._deferred and self._deferred[0][0] <= self._forward - 2:
             self._account_deferred(*self._deferred.popleft())
 
-    def _account(self, layer: int, ids: np.ndarray, forward: int, token_base: int) -> np.ndarray:
+    def _account(
+        self, layer: int, ids: np.ndarray, forward: int, token_base: int, prefill: bool = False
+    ) -> np.ndarray:
         """Counters and trace for one call's routing; returns the sorted needed experts."""
         tokens = int(ids.size // ids.shape[-1])
         if self.trace is not None:
-            self.trace.write(forward, token_base, layer, ids)
+            self.trace.write(forward, token_base, layer, ids, prefill)
             if layer == self.order[-1]:
                 self.trace.flush()
         self.stats.add_many(layer, {CALLS: 1, TOKENS: tokens, USES: int(ids.size)})

@@ -30,11 +30,26 @@ from flashserve.engine.experts.cache import (
 )
 
 
+class AccessGroup(list):
+    """The sorted keys one layer call needs; `prefill` for a prompt's call."""
+
+    prefill: bool = False
+
+
 def load_trace(path: str | Path) -> list[list[Key]]:
-    """Access groups of a JSONL routing trace, in order; each a sorted key list."""
+    """Access groups of a JSONL routing trace, in order; each a sorted key list
+    (an AccessGroup: it says whether the call was a prefill)."""
     groups: list[list[Key]] = []
     current: tuple[int, int] | None = None
     members: set[int] = set()
+    prefill = False
+
+    def close() -> None:
+        if current is not None:
+            group = AccessGroup((current[1], e) for e in sorted(members))
+            group.prefill = prefill
+            groups.append(group)
+
     with open(path) as f:
         for line in f:
             if not line.strip():
@@ -42,21 +57,26 @@ def load_trace(path: str | Path) -> list[list[Key]]:
             rec = json.loads(line)
             ident = (int(rec["fwd"]), int(rec["layer"]))
             if ident != current:
-                if current is not None:
-                    groups.append([(current[1], e) for e in sorted(members)])
+                close()
                 current, members = ident, set()
+                prefill = bool(rec.get("prefill"))
             members.update(int(e) for e in rec["experts"])
-    if current is not None:
-        groups.append([(current[1], e) for e in sorted(members)])
+    close()
     return groups
 
 
 def access_sequence(groups: Iterable[list[Key]], capacity: Capacity) -> list[list[Key]]:
-    """Groups split into the chunks the live cache processes one at a time."""
+    """Groups split into the chunks the live cache processes one at a time
+    (a prefill group stays whole: it never evicts, so it needs no chunks)."""
     out = []
     for group in groups:
+        if getattr(group, "prefill", False):
+            out.append(group)
+            continue
         layers = {k[0] for k in group}
-        out.extend(chunk_keys(group, capacity, dict.fromkeys(layers, 1)))
+        chunk = chunk_keys(group, capacity, dict.fromkeys(layers, 1))
+        for keys in chunk:
+            out.append(AccessGroup(keys))
     return out
 
 
@@ -122,6 +142,20 @@ def replay(
     cache = ExpertCache(capacity, policy)
     hits = misses = 0
     for chunk in chunks:
+        if getattr(chunk, "prefill", False):
+            # experts/prefill.py: hits are not counted as uses, misses enter
+            # only while there is free room, in id order.
+            missed = [k for k in chunk if k not in cache]
+            hits += len(chunk) - len(missed)
+            misses += len(missed)
+            belady = isinstance(cache.policy, Belady)  # its future pointers count every use
+            for key in chunk:
+                if key not in missed or not capacity.fits(len(cache) + 1, cache.nbytes + 1):
+                    if belady:
+                        cache.policy.access(key)
+                else:
+                    cache.insert(key, True, 1)  # counts the use itself
+            continue
         # Same order as the live offload: pin what is resident, look the hits
         # up, then insert the misses, each in sorted order.
         cache.pinned.update(k for k in chunk if k in cache)

@@ -59,6 +59,14 @@ class SwitchLayout:
 
 
 @dataclass
+class CachedExpert:
+    """An expert in memory: its record as read, and its tensors as views of the record."""
+
+    buffer: mx.array | None  # uint8, the whole record; None: views of a slab (all cached)
+    tensors: dict[str, mx.array]
+
+
+@dataclass
 class ReadResult:
     buffer: mx.array  # uint8, the whole record
     nbytes: int
@@ -114,12 +122,19 @@ class ExpertStore:
     """Parallel pread of expert records; one open file descriptor per MoE layer."""
 
     def __init__(
-        self, layouts: dict[int, SwitchLayout], threads: int = 8, verify: bool = True
+        self,
+        layouts: dict[int, SwitchLayout],
+        threads: int = 8,
+        verify: bool = True,
+        drop_page_cache: bool = False,
     ) -> None:
         if threads < 1:
             raise ValueError("expert_threads must be >= 1")
         self.layouts = layouts
         self.verify = verify
+        # Evict each record from the page cache once read: every read of it
+        # then comes from disk, as for a model far larger than RAM (benchmarks).
+        self.drop_page_cache = drop_page_cache and hasattr(os, "posix_fadvise")
         self._fds: dict[int, int] = {}
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="expert-io")
@@ -234,6 +249,8 @@ class ExpertStore:
             raise ExpertReadError(
                 f"expert {expert} of layer {layer}: cannot read {layout.file}: {exc}"
             ) from exc
+        if self.drop_page_cache:
+            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
         if self.verify and layout.crc32 is not None and zlib.crc32(view) != layout.crc32[expert]:
             raise ExpertReadError(
                 f"expert {expert} of layer {layer}: checksum mismatch in {layout.file} "

@@ -84,3 +84,16 @@ def make_request_processors(
         frequency_penalty=params.frequency_penalty or None,
     ) + list(extra)
     return GuardedProcessors(processors) if processors else None
+
+
+def sample_first(
+    logits: mx.array, prompt: list[int], sampler: Sampler, processors: GuardedProcessors | None
+) -> int:
+    """The first new token from the prompt's last logits, sampled the way mlx-lm's
+    BatchGenerator samples every token: processors over the whole context, log-softmax,
+    sampler. Layer-major prefill hands these logits over (generation/prefill.py)."""
+    logits = logits.reshape(1, -1)
+    if processors is not None:
+        logits = processors(mx.array(prompt, dtype=mx.int32), logits)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    return int(sampler(logprobs).item())

@@ -13,15 +13,23 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
+from mlx_lm.models.cache import make_prompt_cache
 
 from flashserve.engine.compute import blas
 from flashserve.engine.config import EngineConfig
 from flashserve.engine.generation import prompt_disk
+from flashserve.engine.generation.prefill import (
+    LayerMajorPrefill,
+    LayerMajorUnsupported,
+    PrefillJob,
+)
 from flashserve.engine.generation.prompt_cache import PromptCache
 from flashserve.engine.generation.prompt_disk import DiskTier
 from flashserve.engine.generation.requests import (
@@ -35,6 +43,7 @@ from flashserve.engine.generation.sampling import (
     GuardedProcessors,
     make_request_processors,
     make_request_sampler,
+    sample_first,
 )
 from flashserve.engine.generation.stops import StopMatcher
 from flashserve.engine.loader import load
@@ -85,6 +94,7 @@ class Engine:
         self.load_error: str | None = None
         self.loaded: LoadedModel | None = None
         self.prompt_cache: PromptCache | None = None  # set once the model is loaded
+        self._layer_major: LayerMajorPrefill | None = None
         self.stats = WorkerStats()
         self._queue: queue.Queue[RequestHandle | None] = queue.Queue()
         self._ready = threading.Event()
@@ -133,6 +143,7 @@ class Engine:
         try:
             self.loaded = load(self.config)
             self.prompt_cache = self._make_prompt_cache(self.loaded)
+            self._layer_major = self._make_layer_major(self.loaded)
             self.state = "ready"
             log.info(
                 "model %s ready (context %d tokens, float matmuls on %s BLAS)",
@@ -175,6 +186,18 @@ class Engine:
             # resident layers are shed (hooks run before shedding).
             residency.add_pressure_hook(cache.shrink)
         return cache
+
+    def _make_layer_major(self, loaded: LoadedModel) -> LayerMajorPrefill | None:
+        if loaded.streamer is None and loaded.experts is None:
+            return None
+        return LayerMajorPrefill.for_model(
+            loaded.model,
+            loaded.config,
+            chunk_tokens=self.config.prefill_step_size,
+            group_bytes=self.config.prefill_group_bytes,
+            streamer=loaded.streamer,
+            experts=loaded.experts,
+        )
 
     def _refuse_all(self) -> None:
         while (handle := self._queue.get()) is not None:
@@ -232,74 +255,168 @@ class Engine:
 
     def _admit(self, batch: BatchGenerator, active: dict[int, _Active], block: bool) -> bool:
         """Move waiting requests into the batch while slots are free; False on shutdown."""
-        while len(active) < self.config.max_batch:
+        handles: list[RequestHandle] = []
+        running = True
+        while len(active) + len(handles) < self.config.max_batch:
             try:
                 handle = self._queue.get() if block else self._queue.get_nowait()
             except queue.Empty:
-                return True
+                break
             block = False
             if handle is None:
-                return False
+                running = False
+                break
             if handle.cancelled:
                 self.stats.requests_cancelled += 1
                 handle.push(DoneEvent("cancelled", len(handle.request.prompt_tokens), 0))
                 continue
-            try:
-                entry = self._start(batch, handle)
-            except Exception as exc:
-                log.exception("request %s could not start", handle.request.request_id)
-                self.stats.requests_failed += 1
-                handle.push(ErrorEvent(f"generation failed: {exc}"))
+            handles.append(handle)
+        starts = [s for s in (self._prepare(h) for h in handles) if s is not None]
+        self._prefill_layer_major(starts)
+        for start in starts:
+            if start.failed:
                 continue
-            active[entry.uid] = entry
-            self.stats.active = len(active)
-        return True
+            try:
+                self._start(batch, start, active)
+            except Exception as exc:
+                log.exception("request %s could not start", start.handle.request.request_id)
+                self._refuse(start.handle, exc)
+        return running
 
-    def _start(self, batch: BatchGenerator, handle: RequestHandle) -> _Active:
+    def _refuse(self, handle: RequestHandle, exc: BaseException) -> None:
+        self.stats.requests_failed += 1
+        handle.push(ErrorEvent(f"generation failed: {exc}"))
+
+    def _prepare(self, handle: RequestHandle) -> _Start | None:
+        """The request's prompt, its longest cached prefix and its processors."""
+        request = handle.request
+        try:
+            processors = make_request_processors(request.sampling, request.logits_processors)
+            prompt = list(request.prompt_tokens)
+            cache, reused = None, 0
+            if self.prompt_cache is not None and request.use_prompt_cache:
+                cache, reused = self.prompt_cache.fetch(prompt)
+        except Exception as exc:
+            log.exception("request %s could not start", request.request_id)
+            self._refuse(handle, exc)
+            return None
+        return _Start(handle, prompt, cache, reused, processors)
+
+    def _prefill_layer_major(self, starts: list[_Start]) -> None:
+        """Prefill the prompts together, layer-major, when weights come from disk.
+
+        One pass over the weights gives each prompt its cache and its first
+        token (generation/prefill.py says why and how); the batch then
+        decodes from the second token on.
+        """
+        if self._layer_major is None or not self._layer_major_wanted() or not starts:
+            return
         assert self.loaded is not None
+        for start in starts:
+            if start.cache is None:
+                start.cache = make_prompt_cache(self.loaded.model)
+        jobs = [
+            PrefillJob(
+                s.prompt[s.reused :],
+                s.cache,
+                keep_prefix=self.prompt_cache is not None and s.handle.request.use_prompt_cache,
+                cancelled=_cancel_check(s.handle),
+            )
+            for s in starts
+        ]
+        try:
+            self._layer_major.run(jobs)
+            mx.eval([job.logits for job in jobs if not job.dropped])
+        except LayerMajorUnsupported as exc:
+            log.warning("prefilling chunk by chunk from now on: %s", exc)
+            self._layer_major = None
+            return
+        except Exception as exc:
+            log.exception("layer-major prefill failed")
+            for start in starts:
+                start.failed = True
+                self._refuse(start.handle, exc)
+            return
+        for start, job in zip(starts, jobs, strict=True):
+            if job.dropped:
+                start.failed = True
+                self.stats.requests_cancelled += 1
+                start.handle.push(DoneEvent("cancelled", len(start.prompt), 0))
+                continue
+            if job.prefix_state is not None and self.prompt_cache is not None:
+                self.prompt_cache.store(start.prompt[:-1], job.prefix_state)
+            start.reused = len(start.prompt)
+            start.logits = job.logits
+
+    def _layer_major_wanted(self) -> bool:
+        loaded = self.loaded
+        if loaded is None or self.config.prefill_order != "auto":
+            return False
+        streamer = loaded.streamer
+        return loaded.experts is not None or bool(streamer and streamer.streamed_layers)
+
+    def _start(self, batch: BatchGenerator, start: _Start, active: dict[int, _Active]) -> None:
+        """Put the request into the batch; after a layer-major prefill, emit its first token."""
+        assert self.loaded is not None
+        handle, prompt, reused = start.handle, start.prompt, start.reused
         request = handle.request
         tokenizer = self.loaded.tokenizer
-        processors = make_request_processors(request.sampling, request.logits_processors)
-        prompt = list(request.prompt_tokens)
-        cache, reused = None, 0
-        if self.prompt_cache is not None and request.use_prompt_cache:
-            cache, reused = self.prompt_cache.fetch(prompt)
-        (uid,) = batch.insert(
-            [prompt[reused:]],
-            max_tokens=[request.max_tokens],
-            caches=[cache] if cache is not None else None,
-            # The reused tokens are history for penalties, as in a cold prefill.
-            all_tokens=[prompt[:reused]],
-            samplers=[make_request_sampler(request.sampling)],
-            logits_processors=[[processors] if processors else []],
-            stop_sequences=[StopSequences([[t] for t in tokenizer.eos_token_ids])],
-        )
-        self.stats.requests_total += 1
-        return _Active(
-            uid=uid,
+        sampler = make_request_sampler(request.sampling)
+        entry = _Active(
+            uid=-1,
             handle=handle,
             detokenizer=tokenizer.detokenizer,
             stops=StopMatcher(request.stop),
-            processors=processors,
-            started=time.perf_counter(),
-            cached_tokens=reused,
+            processors=start.processors,
+            started=start.started,
+            cached_tokens=start.cached,
         )
+        self.stats.requests_total += 1
+        inputs, max_tokens = prompt[reused:], request.max_tokens
+        if start.logits is not None:  # the whole prompt is in the cache
+            first = sample_first(start.logits, prompt, sampler, start.processors)
+            if entry.processors is not None and entry.processors.error is not None:
+                self._fail_entry(entry, entry.processors.error)
+                return
+            if first in tokenizer.eos_token_ids:
+                self._finish_entry(entry, "stop")
+                return
+            self._emit(entry, first)
+            if entry.stops.hit or max_tokens == 1:
+                self._finish_entry(entry, "stop" if entry.stops.hit else "length")
+                return
+            inputs, max_tokens = [first], max_tokens - 1
+        (entry.uid,) = batch.insert(
+            [inputs],
+            max_tokens=[max_tokens],
+            caches=[start.cache] if start.cache is not None else None,
+            # The reused tokens are history for penalties, as in a cold prefill.
+            all_tokens=[prompt[: min(reused, len(prompt))]],
+            samplers=[sampler],
+            logits_processors=[[start.processors] if start.processors else []],
+            stop_sequences=[StopSequences([[t] for t in tokenizer.eos_token_ids])],
+        )
+        active[entry.uid] = entry
+        self.stats.active = len(active)
+
+    def _emit(self, entry: _Active, token: int) -> None:
+        if entry.generated == 0:
+            entry.first_token_at = time.perf_counter()
+        entry.generated += 1
+        entry.detokenizer.add_token(token)
+        text = entry.stops.feed(entry.detokenizer.last_segment)
+        entry.handle.push(TokenEvent(token, text))
 
     def _on_token(self, batch: BatchGenerator, active: dict[int, _Active], response) -> None:
         entry = active.get(response.uid)
         if entry is None:
             return
-        if entry.generated == 0:
-            entry.first_token_at = time.perf_counter()
         if entry.processors is not None and entry.processors.error is not None:
             entry.failed = entry.processors.error
             return
         finish = response.finish_reason
         if finish != "stop":  # "stop" from the batch means an EOS token: not emitted
-            entry.generated += 1
-            entry.detokenizer.add_token(response.token)
-            text = entry.stops.feed(entry.detokenizer.last_segment)
-            entry.handle.push(TokenEvent(response.token, text))
+            self._emit(entry, response.token)
             if entry.stops.hit:
                 batch.remove([response.uid])
                 finish = "stop"
@@ -311,6 +428,9 @@ class Engine:
     def _finish(self, active: dict[int, _Active], uid: int, reason: str) -> None:
         entry = active.pop(uid)
         self.stats.active = len(active)  # idle before the client hears the end
+        self._finish_entry(entry, reason)
+
+    def _finish_entry(self, entry: _Active, reason: str) -> None:
         request = entry.handle.request
         if reason == "cancelled":
             self.stats.requests_cancelled += 1
@@ -331,6 +451,9 @@ class Engine:
     def _fail(self, active: dict[int, _Active], uid: int, exc: BaseException | None) -> None:
         entry = active.pop(uid)
         self.stats.active = len(active)
+        self._fail_entry(entry, exc)
+
+    def _fail_entry(self, entry: _Active, exc: BaseException | None) -> None:
         self.stats.requests_failed += 1
         entry.handle.push(ErrorEvent(f"generation failed: {exc}"))
 
@@ -387,6 +510,27 @@ class Engine:
         self.stats.last_prefill_tokens_per_s = prompt / max(first - entry.started, 1e-9)
         if entry.generated > 1:
             self.stats.last_decode_tokens_per_s = (entry.generated - 1) / max(end - first, 1e-9)
+
+
+def _cancel_check(handle: RequestHandle) -> Callable[[], bool]:
+    return lambda: handle.cancelled
+
+
+@dataclass
+class _Start:
+    """A request on its way into the batch."""
+
+    handle: RequestHandle
+    prompt: list[int]
+    cache: list[Any] | None  # the state after prompt[:reused]
+    reused: int  # tokens the cache covers
+    processors: GuardedProcessors | None
+    failed: bool = False
+    logits: Any = None  # after a layer-major prefill: the first token's (vocab,) logits
+    started: float = field(default_factory=time.perf_counter)
+
+    def __post_init__(self) -> None:
+        self.cached = self.reused  # tokens the prompt cache gave: reported as cached_tokens
 
 
 @dataclass

@@ -33,6 +33,8 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -135,6 +137,7 @@ class LayerStreamer:
     _streamed: list[int] = field(default_factory=list)  # in execution order
     _pending: dict[int, _Pending] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _held: int | None = None  # the layer `holding` keeps installed
 
     # --- residency ---------------------------------------------------------
 
@@ -276,9 +279,8 @@ class LayerStreamer:
             if nxt not in self._pending:
                 self._pending[nxt] = self._prefetch(self.layers[nxt])
 
-    def _run(self, layer: nn.Module, args: tuple, kwargs: dict) -> Any:
-        start = time.perf_counter()
-        info = self.layers[layer._fs_index]
+    def _acquire(self, info: LayerInfo) -> None:
+        """Install layer `info`'s weights: the prefetched read, or a read now."""
         with self._lock:
             pending = self._pending.pop(info.index, None)
             if pending is None:
@@ -289,21 +291,54 @@ class LayerStreamer:
             self._install(info, pending.weights)
             del pending
             self._schedule_after(info.index)
-        try:
-            out = type(layer)._fs_base.__call__(layer, *args, **kwargs)
-            # The one sync point: the output and the cache state must be
-            # computed before the weights can go (lazy cache updates, e.g. a
-            # recurrent state, would otherwise keep the weights alive).
-            mx.eval(out, _cache_arrays(args, kwargs))
-        finally:
-            self._release(info)
-            if self.drop_page_cache:
-                _evict(info.file)
-                if info.experts_file is not None and self.experts_with_layers:
-                    _evict(info.experts_file)
+
+    def _drop(self, info: LayerInfo) -> None:
+        self._release(info)
+        if self.drop_page_cache:
+            _evict(info.file)
+            if info.experts_file is not None and self.experts_with_layers:
+                _evict(info.experts_file)
+
+    def _call(self, layer: nn.Module, args: tuple, kwargs: dict) -> Any:
+        out = type(layer)._fs_base.__call__(layer, *args, **kwargs)
+        # The one sync point: the output and the cache state must be
+        # computed before the weights can go (lazy cache updates, e.g. a
+        # recurrent state, would otherwise keep the weights alive).
+        mx.eval(out, _cache_arrays(args, kwargs))
         self.stats.streamed_calls += 1
+        return out
+
+    def _run(self, layer: nn.Module, args: tuple, kwargs: dict) -> Any:
+        if self._held == layer._fs_index:
+            return self._call(layer, args, kwargs)
+        start = time.perf_counter()
+        info = self.layers[layer._fs_index]
+        self._acquire(info)
+        try:
+            out = self._call(layer, args, kwargs)
+        finally:
+            self._drop(info)
         self.stats.streamed_seconds += time.perf_counter() - start
         return out
+
+    @contextmanager
+    def holding(self, index: int) -> Iterator[None]:
+        """Keep streamed layer `index` installed while the block runs.
+
+        Layer-major prefill (generation/prefill.py) runs every chunk of a
+        prompt through the layer inside the block: one read of the layer
+        for the whole prompt instead of one per chunk.
+        """
+        start = time.perf_counter()
+        info = self.layers[index]
+        self._acquire(info)
+        self._held = index
+        try:
+            yield
+        finally:
+            self._held = None
+            self._drop(info)
+            self.stats.streamed_seconds += time.perf_counter() - start
 
     # --- reporting ---------------------------------------------------------
 

@@ -1,0 +1,124 @@
+"""Expert-major prefill: one MoE call over a prompt's tokens reads each needed expert once.
+
+A prefill call routes its tokens to nearly every expert of the layer, far
+more than a decode step needs, and usually more than the expert cache holds.
+Going through the cache (experts/offload.py's decode path) would evict
+decode's working set for experts that the prompt uses once. So a prefill call
+(sequences longer than one token; generation/prefill.py makes it one call for
+every chunk of the prompts being prefilled) runs expert by expert instead:
+
+* cached experts are used where they are, without counting a use, so the
+  policy's view of decode's working set stays as it was;
+* missing experts are read in id order (their records lie in id order on
+  disk) with `window` reads in flight, each run on all of its tokens as soon
+  as its read lands, its output evaluated, and its buffer then either kept in
+  the cache, if the cache has free room (a cold start fills up; nothing is
+  ever evicted for a prefill), or recycled for the next read.
+
+Memory: `window` records in flight plus the call's outputs (tokens x top-k
+rows). The arithmetic is the decode path's (experts/compute.py, one expert
+at a time), so the output is the same bit for bit.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from concurrent.futures import Future
+
+import mlx.core as mx
+import numpy as np
+
+from flashserve.engine.experts.cache import ExpertCache
+from flashserve.engine.experts.compute import OffloadLayer, per_expert
+from flashserve.engine.experts.stats import (
+    BLOCKED_SECONDS,
+    BYTES_READ,
+    DEMAND_BYTES,
+    DEMAND_SECONDS,
+    HITS,
+    MISSES,
+    ExpertStats,
+)
+from flashserve.engine.experts.store import CachedExpert, ExpertStore, ReadResult
+
+
+def expert_major(
+    info: OffloadLayer,
+    x2: mx.array,
+    flat: np.ndarray,
+    needed: np.ndarray,
+    *,
+    cache: ExpertCache,
+    store: ExpertStore,
+    stats: ExpertStats,
+    window: int,
+) -> tuple[list[mx.array], list[np.ndarray]]:
+    """Run every needed expert of one prefill call once; see the module doc.
+
+    `x2` is (tokens, hidden), `flat` the routing (tokens, top-k) on the host.
+    Returns the per-expert outputs and their token-slot positions
+    (experts/compute.py: `restore_order` puts them back in order).
+    """
+    layer = info.layer
+    nbytes = info.layout.record_bytes
+    cached = [int(e) for e in needed if (layer, int(e)) in cache]
+    missing = deque(int(e) for e in needed if (layer, int(e)) not in cache)
+    in_flight: deque[tuple[int, Future[ReadResult]]] = deque()
+    last_read_done = [0.0]  # set on the I/O threads: the read time excludes compute
+
+    def done(_: Future[ReadResult]) -> None:
+        last_read_done[0] = time.perf_counter()
+
+    def top_up() -> None:
+        todo = [missing.popleft() for _ in range(min(window - len(in_flight), len(missing)))]
+        if todo:
+            futures = store.submit_many([(layer, e) for e in todo])
+            for future in futures:
+                future.add_done_callback(done)
+            in_flight.extend(zip(todo, futures, strict=True))
+
+    outs: list[mx.array] = []
+    positions: list[np.ndarray] = []
+    blocked = 0.0
+    reads = len(missing)
+    start = time.perf_counter()
+    top_up()  # reads start first: they overlap the cached experts' compute
+    try:
+        for e in cached:
+            tensors = cache.peek((layer, e)).tensors
+            o, p = per_expert(info, x2, flat, np.array([e]), {e: tensors})
+            outs += o
+            positions += p
+        while in_flight:
+            e, future = in_flight.popleft()
+            waited = time.perf_counter()
+            result = future.result()  # ExpertReadError names the layer and expert
+            blocked += time.perf_counter() - waited
+            top_up()
+            tensors = store.tensors(layer, result.buffer)
+            o, p = per_expert(info, x2, flat, np.array([e]), {e: tensors})
+            mx.eval(o)  # done with the record: it can be kept, or read into again
+            outs += o
+            positions += p
+            if cache.capacity.fits(len(cache) + 1, cache.nbytes + nbytes):
+                cache.insert((layer, e), CachedExpert(result.buffer, tensors), nbytes)
+                stats.resident(layer, 1, nbytes)
+            else:
+                store.recycle(result.buffer)
+    except BaseException:
+        for _, future in in_flight:
+            future.cancel()
+        raise
+    stats.add_many(
+        layer,
+        {
+            HITS: len(cached),
+            MISSES: reads,
+            DEMAND_BYTES: reads * nbytes,
+            BYTES_READ: reads * nbytes,
+            DEMAND_SECONDS: max(last_read_done[0] - start, 0.0) if reads else 0.0,
+            BLOCKED_SECONDS: blocked,
+        },
+    )
+    return outs, positions

@@ -1,0 +1,353 @@
+"""Layer-major prefill: every chunk of the prompts through one layer before the next.
+
+Chunked prefill (mlx-lm's BatchGenerator) runs a long prompt as a row of full
+forward passes, one per `prefill_step_size` tokens. On a model whose weights
+come from disk each pass reads every streamed layer and nearly every expert
+again, so a 4k-token prompt reads the streamed weights eight times. Here the
+order is turned around: layer 0 runs on every chunk, then layer 1, and so on,
+so each streamed layer is read once per prefill (`LayerStreamer.holding`),
+and each MoE layer makes a single call over the tokens of every chunk, which
+reads each needed expert once (experts/prefill.py).
+
+The arithmetic is the chunked prefill's: the same chunks, the same layer
+calls with the same inputs, cache states and masks, in an order where each
+call still follows the calls it depends on (chunk c of layer l needs layer l's
+cache after chunk c - 1, and layer l - 1's output of chunk c).
+
+How it runs the model's own code, for any mlx-lm architecture:
+
+* Each chunk runs the model's forward in a greenlet (a coroutine with its own
+  stack on the worker thread, so every MLX call stays on that thread).
+* While a prefill runs, the model's decoder-layer list holds gates. A gate
+  suspends its chunk until the driver's round for that layer, then calls the
+  real layer. Whatever the model does between layers runs as written.
+* A chunk's forward starts (embedding, masks) before earlier chunks have
+  passed every layer, so it gets copies of the caches that report the offset
+  at the chunk's start; its gates hand the real cache to the layer.
+* While a round's chunks wait at the MoE block (`ExpertOffload.gather`), the
+  driver makes one expert call for all of their tokens and hands each chunk
+  its rows.
+* Held hidden states are bounded by `group_bytes`; beyond it, the chunks run
+  in groups, each group layer-major (one read of the streamed weights per group).
+
+A model whose forward does not go through its layer list in order is
+refused before anything runs (`LayerMajorUnsupported`): the worker then
+prefills it chunk by chunk.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from greenlet import greenlet
+
+from flashserve.engine.weights.layout import find_layers
+from flashserve.engine.weights.model import ModelLoadError, compute_dtype
+
+log = logging.getLogger(__name__)
+
+
+class LayerMajorUnsupported(Exception):
+    """The model's forward cannot be run layer-major (found before any layer ran)."""
+
+
+@dataclass
+class PrefillJob:
+    """One prompt: `tokens` run into `cache` (a cache list, advanced in place).
+
+    The last token runs as a chunk of its own, as in chunked prefill (mlx-lm
+    gives it to the first decode step), and its logits are kept: the first
+    new token comes out of this one pass over the weights.
+    """
+
+    tokens: list[int]
+    cache: list[Any]
+    keep_prefix: bool = False  # also keep a copy of the state after tokens[:-1]
+    cancelled: Callable[[], bool] = lambda: False
+    # Results
+    logits: mx.array | None = None  # (vocab,) after the last token
+    prefix_state: list[Any] | None = None  # the cache after tokens[:-1]
+    dropped: bool = False  # cancelled during the prefill: its cache is unusable
+
+
+@dataclass
+class _Chunk:
+    job: PrefillJob
+    tokens: list[int]
+    start: int  # cache offset at the chunk's start
+    last: bool = False  # the job's last token
+    proxies: dict[int, Any] = field(default_factory=dict)  # id(copy) -> real cache
+    glet: greenlet | None = None
+    message: tuple | None = None  # where it waits: ("layer", i) / ("moe", layer, x, ids)
+    out: mx.array | None = None  # the last layer's output
+
+
+@dataclass
+class LayerMajorPrefill:
+    """Prefills prompts layer-major through one model; see the module doc."""
+
+    model: nn.Module
+    layers: list[nn.Module]  # the model's own decoder-layer list
+    chunk_tokens: int
+    group_bytes: int
+    bytes_per_token: int  # held activations per prompt token (hidden states, MoE rows)
+    streamer: Any = None  # streaming.streamer.LayerStreamer
+    experts: Any = None  # experts.offload.ExpertOffload
+    _current: _Chunk | None = None
+    _round: int = -1
+    _main: greenlet | None = None
+
+    @classmethod
+    def for_model(
+        cls,
+        model: nn.Module,
+        config: dict,
+        *,
+        chunk_tokens: int,
+        group_bytes: int,
+        streamer: Any = None,
+        experts: Any = None,
+    ) -> LayerMajorPrefill | None:
+        """The prefill of `model`, or None when its layers are not one list it reads."""
+        layers = _layer_list(model)
+        if layers is None:
+            log.info("%s: no layer list to run layer-major", type(model).__module__)
+            return None
+        text = config.get("text_config") or {}
+        hidden = int(config.get("hidden_size") or text.get("hidden_size") or 4096)
+        # Held per token: the hidden state, and while an MoE call runs its input
+        # and top-k output rows (twice, as they are put back in order).
+        per_token = 2 * hidden
+        if experts is not None:
+            top_k = max(info.top_k for info in experts.layers.values())
+            per_token += (2 * top_k + 1) * hidden
+        return cls(
+            model,
+            layers,
+            chunk_tokens=chunk_tokens,
+            group_bytes=group_bytes,
+            bytes_per_token=per_token * compute_dtype().size,
+            streamer=streamer,
+            experts=experts,
+        )
+
+    def run(self, jobs: list[PrefillJob]) -> None:
+        """Run every job's tokens into its cache. Raises what a layer raises."""
+        for group in self._groups(jobs):
+            self._run_group(group)
+
+    def _groups(self, jobs: list[PrefillJob]) -> list[list[_Chunk]]:
+        """The jobs' chunks, in groups that fit the budget (a long job spans groups)."""
+        per_group = max(self.group_bytes // max(self.bytes_per_token, 1), 1)
+        per_group = max(per_group // self.chunk_tokens, 1) * self.chunk_tokens
+        groups: list[list[_Chunk]] = [[]]
+        room = per_group
+        for job in jobs:
+            base = _offset(job.cache)
+            body = len(job.tokens) - 1
+            cuts = [
+                (pos, min(pos + self.chunk_tokens, body))
+                for pos in range(0, body, self.chunk_tokens)
+            ]
+            if job.keep_prefix and body > 0:
+                job.prefix_state = [None] * len(job.cache)
+            for a, b in [*cuts, (body, body + 1)]:
+                if room < b - a:
+                    groups.append([])
+                    room = per_group
+                groups[-1].append(_Chunk(job, job.tokens[a:b], base + a, last=b > body))
+                room -= b - a
+        return [g for g in groups if g]
+
+    # -- one group ------------------------------------------------------------------
+
+    def _run_group(self, chunks: list[_Chunk]) -> None:
+        for chunk in chunks:
+            proxies = [_proxy(c, chunk.start) for c in chunk.job.cache]
+            chunk.proxies = {id(p): c for p, c in zip(proxies, chunk.job.cache, strict=True)}
+            chunk.glet = greenlet(_forward(self.model, chunk, proxies))
+        gates = [_Gate(self, i, layer) for i, layer in enumerate(self.layers)]
+        self._main = greenlet.getcurrent()
+        self.layers[:] = gates
+        if self.experts is not None:
+            self.experts.gather = self._gather
+        try:
+            self._start(chunks)
+            for index in range(len(gates)):
+                chunks = self._drop_cancelled(chunks)
+                self._layer_round(index, chunks)
+        finally:
+            self.layers[:] = [g.layer for g in gates]
+            if self.experts is not None:
+                self.experts.gather = None
+            for chunk in chunks:
+                if chunk.glet is not None and not chunk.glet.dead:
+                    chunk.glet.throw()  # unwinds its forward; nothing is left suspended
+            self._current = None
+            self._round = -1
+
+    def _start(self, chunks: list[_Chunk]) -> None:
+        """Each chunk runs its forward up to the first layer (embedding, masks)."""
+        for chunk in chunks:
+            self._resume(chunk)
+            if chunk.message != ("layer", 0):
+                raise LayerMajorUnsupported(
+                    f"{type(self.model).__module__}: the forward does not start at "
+                    f"decoder layer 0 of its layer list (got {chunk.message!r})"
+                )
+
+    def _layer_round(self, index: int, chunks: list[_Chunk]) -> None:
+        self._round = index
+        streamed = self.streamer is not None and index in self.streamer.streamed_layers
+        with self.streamer.holding(index) if streamed else nullcontext():
+            for chunk in chunks:
+                if chunk.last and chunk.job.prefix_state is not None:
+                    _snapshot(chunk.job, index)
+                self._resume(chunk)
+            waiting = [c for c in chunks if c.message is not None and c.message[0] == "moe"]
+            while waiting:
+                self._merged_moe(waiting)
+                waiting = [c for c in waiting if c.message is not None and c.message[0] == "moe"]
+            want = ("layer", index + 1) if index + 1 < len(self.layers) else None
+            for chunk in chunks:
+                if chunk.message != want:
+                    raise RuntimeError(
+                        f"layer-major prefill: after layer {index} a chunk waits at "
+                        f"{chunk.message!r}, expected {want!r}"
+                    )
+            mx.eval([c.out for c in chunks], [_state(c.job.cache, index) for c in chunks])
+
+    def _merged_moe(self, waiting: list[_Chunk]) -> None:
+        """One expert call for the MoE inputs of every waiting chunk; each gets its rows."""
+        layer = waiting[0].message[1]
+        if any(c.message[1] != layer for c in waiting):
+            raise RuntimeError("layer-major prefill: chunks wait at different MoE layers")
+        xs = [c.message[2] for c in waiting]
+        ids = [c.message[3] for c in waiting]
+        hidden = xs[0].shape[-1]
+        k = ids[0].shape[-1]
+        x_all = mx.concatenate([x.reshape(-1, hidden) for x in xs])[None]
+        ids_all = mx.concatenate([i.reshape(-1, k) for i in ids])[None]
+        y = self.experts.run_prefill(layer, x_all, ids_all)[0]
+        pos = 0
+        for chunk, i in zip(waiting, ids, strict=True):
+            rows = i.size // k
+            part = y[pos : pos + rows].reshape(*i.shape, y.shape[-1])
+            pos += rows
+            self._resume(chunk, part)
+
+    def _gather(self, layer: int, x: mx.array, indices: mx.array) -> mx.array:
+        """ExpertOffload.gather while a prefill runs: wait for the round's merged call."""
+        assert self._main is not None
+        return self._main.switch(("moe", layer, x, indices))
+
+    def _resume(self, chunk: _Chunk, *value: Any) -> None:
+        assert chunk.glet is not None
+        self._current = chunk
+        message = chunk.glet.switch(*value)
+        chunk.message = None if chunk.glet.dead else message
+
+    def _drop_cancelled(self, chunks: list[_Chunk]) -> list[_Chunk]:
+        keep = []
+        for chunk in chunks:
+            job = chunk.job
+            if job.dropped or job.cancelled():
+                job.dropped = True
+                if chunk.glet is not None and not chunk.glet.dead:
+                    chunk.glet.throw()
+                continue
+            keep.append(chunk)
+        return keep
+
+
+class _Gate:
+    """Stands in for decoder layer `index` while a prefill runs; see the module doc."""
+
+    def __init__(self, driver: LayerMajorPrefill, index: int, layer: nn.Module) -> None:
+        self.driver = driver
+        self.index = index
+        self.layer = layer
+
+    def __getattr__(self, name: str) -> Any:
+        # What the forward reads from its layers (`is_linear`, `use_sliding`, ...)
+        return getattr(self.layer, name)
+
+    def __call__(self, h: mx.array, *args: Any, **kwargs: Any) -> mx.array:
+        driver = self.driver
+        assert driver._main is not None
+        driver._main.switch(("layer", self.index))  # back here in this layer's round
+        chunk = driver._current
+        assert chunk is not None and driver._round == self.index
+        args = tuple(chunk.proxies.get(id(a), a) for a in args)
+        kwargs = {k: chunk.proxies.get(id(v), v) for k, v in kwargs.items()}
+        chunk.out = self.layer(h, *args, **kwargs)
+        return chunk.out
+
+
+def _layer_list(model: nn.Module) -> list[nn.Module] | None:
+    """The list object the model keeps its decoder layers in (the forward reads it).
+
+    `model.layers` is often a property returning a slice of it, which is why
+    the list is found by the layers' parameter path ("model.layers.").
+    """
+    try:
+        _, prefix = find_layers(model)
+    except ModelLoadError:
+        return None
+    obj: Any = model
+    for part in prefix.rstrip(".").split("."):
+        obj = obj.get(part) if isinstance(obj, dict) else None
+    return obj if isinstance(obj, list) else None
+
+
+def _forward(model: nn.Module, chunk: _Chunk, cache: list[Any]) -> Callable[[], None]:
+    def run() -> None:
+        logits = model(mx.array([chunk.tokens]), cache=cache)
+        if chunk.last:  # other chunks' logits stay lazy: never computed
+            chunk.job.logits = logits[0, -1]
+
+    return run
+
+
+def _snapshot(job: PrefillJob, index: int) -> None:
+    """Keep layer `index`'s state after tokens[:-1]: its last token runs next."""
+    assert job.prefix_state is not None
+    if index < len(job.cache):
+        state = copy.deepcopy(job.cache[index])
+        mx.eval(_state([state], 0))
+        job.prefix_state[index] = state
+
+
+def _offset(cache: list[Any]) -> int:
+    for c in cache:
+        offset = getattr(c, "offset", None)
+        if isinstance(offset, int):
+            return offset
+    return 0
+
+
+def _proxy(cache: Any, offset: int) -> Any:
+    """A shallow copy of `cache` that reports `offset` (what the forward's masks read)."""
+    proxy = copy.copy(cache)
+    if isinstance(getattr(cache, "offset", None), int):
+        try:
+            proxy.offset = offset
+        except AttributeError as exc:
+            raise LayerMajorUnsupported(f"{type(cache).__name__}: offset is read-only") from exc
+    return proxy
+
+
+def _state(cache: list[Any], index: int) -> Any:
+    if index >= len(cache):  # models that share caches between layers have fewer
+        return []
+    try:
+        return cache[index].state
+    except Exception:  # an empty cache of some kinds raises
+        return []
