@@ -378,12 +378,19 @@ class Engine:
             if entry.processors is not None and entry.processors.error is not None:
                 self._fail_entry(entry, entry.processors.error)
                 return
-            if first in tokenizer.eos_token_ids:
-                self._finish_entry(entry, "stop")
+            if first in tokenizer.eos_token_ids or max_tokens == 1:
+                # A natural end: as at the end of any answer, the state (here:
+                # after the prompt) is kept for the next turn.
+                if self.prompt_cache is not None and request.use_prompt_cache:
+                    self.prompt_cache.store(prompt, start.cache)
+                eos = first in tokenizer.eos_token_ids
+                if not eos:
+                    self._emit(entry, first)
+                self._finish_entry(entry, "stop" if eos or entry.stops.hit else "length")
                 return
             self._emit(entry, first)
-            if entry.stops.hit or max_tokens == 1:
-                self._finish_entry(entry, "stop" if entry.stops.hit else "length")
+            if entry.stops.hit:
+                self._finish_entry(entry, "stop")
                 return
             inputs, max_tokens = [first], max_tokens - 1
         (entry.uid,) = batch.insert(
