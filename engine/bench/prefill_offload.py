@@ -89,14 +89,16 @@ def _request(prompt: list[int], tokens: int = 1) -> GenerationRequest:
     return GenerationRequest(prompt, tokens, SamplingParams(temperature=0))
 
 
-def _ttft(engine: Engine, prompt: list[int], disk: list[Path]) -> Ttft:
-    """Time to the first token of `prompt`, cold: page cache dropped, cache emptied."""
+def _ttft(engine: Engine, prompt: list[int], disk: list[Path], cold: bool = True) -> Ttft:
+    """Time to the first token of `prompt`; `cold`: page cache dropped, cache emptied."""
     loaded = engine.loaded
     assert loaded is not None
-    if loaded.experts is not None:
+    if not cold:
+        disk = []
+    elif loaded.experts is not None:
         # Between requests the worker is idle: resetting from here is safe.
         loaded.experts.reset(clear_cache=True)
-    if loaded.streamer is not None:
+    if cold and loaded.streamer is not None:
         loaded.streamer.drop_prefetched()
     for path in disk:
         drop_page_cache(path)
@@ -149,16 +151,8 @@ def _hit_rates(engine: Engine, long_prompt: list[int], tokens: int) -> tuple[flo
     experts.reset(clear_cache=True)
     decode_hit_rate()  # warm: the cache holds this request's working set
     before = decode_hit_rate()
-    _ttft_without_reset(engine, long_prompt)
+    _ttft(engine, long_prompt, [], cold=False)
     return before, decode_hit_rate()
-
-
-def _ttft_without_reset(engine: Engine, prompt: list[int]) -> None:
-    async def go() -> None:
-        async for _ in engine.submit(_request(prompt)):
-            pass
-
-    asyncio.run(go())
 
 
 def run(work_dir: Path, *, quick: bool = False) -> None:

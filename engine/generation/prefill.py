@@ -100,9 +100,9 @@ class LayerMajorPrefill:
     bytes_per_token: int  # held activations per prompt token (hidden states, MoE rows)
     streamer: Any = None  # streaming.streamer.LayerStreamer
     experts: Any = None  # experts.offload.ExpertOffload
-    _current: _Chunk | None = None
-    _round: int = -1
-    _main: greenlet | None = None
+    _current: _Chunk | None = field(default=None, init=False)  # the chunk running now
+    _round: int = field(default=-1, init=False)  # the layer whose round runs
+    _main: greenlet | None = field(default=None, init=False)  # the driver's greenlet
 
     @classmethod
     def for_model(

@@ -188,7 +188,9 @@ class Engine:
         return cache
 
     def _make_layer_major(self, loaded: LoadedModel) -> LayerMajorPrefill | None:
-        if loaded.streamer is None and loaded.experts is None:
+        if self.config.prefill_order != "auto" or (
+            loaded.streamer is None and loaded.experts is None
+        ):
             return None
         return LayerMajorPrefill.for_model(
             loaded.model,
@@ -349,11 +351,10 @@ class Engine:
             start.logits = job.logits
 
     def _layer_major_wanted(self) -> bool:
+        """Whether some weights come from disk now (shedding can stream more layers)."""
         loaded = self.loaded
-        if loaded is None or self.config.prefill_order != "auto":
-            return False
-        streamer = loaded.streamer
-        return loaded.experts is not None or bool(streamer and streamer.streamed_layers)
+        assert loaded is not None
+        return loaded.experts is not None or bool(loaded.streamer.streamed_layers)
 
     def _start(self, batch: BatchGenerator, start: _Start, active: dict[int, _Active]) -> None:
         """Put the request into the batch; after a layer-major prefill, emit its first token."""
