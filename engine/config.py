@@ -40,4 +40,7 @@ class EngineConfig:
     prompt_cache_bytes: int = 0
     prompt_cache_disk_bytes: int = 0
     prompt_cache_dir: str | None = None  # None: the platform's cache dir
+    # Seconds a weight read (streamed layer, expert) may stall before the
+    # request that needs it fails; hung network storage must not hang the server.
+    io_timeout: float = 30.0
     extra: dict = field(default_factory=dict)

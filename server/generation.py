@@ -104,7 +104,13 @@ class Generation:
                     )
                 self.outcome = event
             elif isinstance(event, ErrorEvent):
-                raise APIError(500, event.message, type=event.type, code=event.code)
+                raise APIError(
+                    event.status,
+                    event.message,
+                    type=event.type,
+                    code=event.code,
+                    param=event.param,
+                )
 
     def cancel(self) -> None:
         self.handle.cancel()

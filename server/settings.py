@@ -113,6 +113,20 @@ class Settings(BaseSettings):
     request_timeout: float = Field(600.0, gt=0, description="seconds per request")
     shutdown_grace: float = Field(10.0, ge=0, description="seconds SIGTERM waits for generations")
     log_prompts: bool = False
+    allowed_hosts: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="extra Host names accepted when no API key is set"
+    )
+    allow_client_chat_template: bool = Field(
+        False, description="let requests bring their own chat template (chat_template_kwargs)"
+    )
+    template_timeout: float = Field(
+        10.0, gt=0, description="seconds to render and tokenize one prompt"
+    )
+    io_timeout: float = Field(
+        30.0, gt=0, description="seconds a weight read may stall before its request fails"
+    )
+    max_connections: int = Field(1000, ge=1, description="open HTTP connections at most")
+    keep_alive_timeout: float = Field(5.0, gt=0, description="seconds an idle connection stays")
 
     @field_validator(
         "memory_budget",
@@ -146,7 +160,7 @@ class Settings(BaseSettings):
         check_setting(value)
         return value
 
-    @field_validator("allowed_origins", mode="before")
+    @field_validator("allowed_origins", "allowed_hosts", mode="before")
     @classmethod
     def _origins(cls, value: Any) -> Any:
         if isinstance(value, str):

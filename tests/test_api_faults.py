@@ -30,6 +30,7 @@ from flashserve.server.settings import load_settings
 from .conftest import NO_EOS, Server, serve_app
 
 FAIL_SEED = 666  # requests with this seed fail after a few tokens
+SLOW_SEED = 777  # requests with this seed take 20 ms a token
 TOKENS_BEFORE_FAILURE = 3
 CHAT = "/v1/chat/completions"
 
@@ -45,6 +46,11 @@ def _fails_after(steps: int) -> Any:
         return logits
 
     return processor
+
+
+def _slow(tokens: mx.array, logits: mx.array) -> mx.array:
+    time.sleep(0.02)
+    return logits
 
 
 class ControlledEngine(Engine):
@@ -63,6 +69,8 @@ class ControlledEngine(Engine):
     def submit(self, request: GenerationRequest) -> RequestHandle:
         if request.sampling.seed == FAIL_SEED:
             request.logits_processors.append(_fails_after(TOKENS_BEFORE_FAILURE))
+        if request.sampling.seed == SLOW_SEED:
+            request.logits_processors.append(_slow)
         return super().submit(request)
 
 
@@ -188,6 +196,90 @@ def test_429_when_the_queue_is_full(controlled: tuple[Server, ControlledEngine])
                 )
     # Both streams were closed: the worker is free again.
     assert not server.wait_idle(timeout=5)["busy"]
+
+
+def test_a_request_cancelled_in_the_queue_frees_its_slot_at_once(
+    controlled: tuple[Server, ControlledEngine],
+) -> None:
+    """One running, one waiting (max_batch 1 + max_queue 1): when the waiting client goes
+    away, its slot is free before the worker reaches it, so a new request is accepted."""
+    server, engine = controlled
+    engine.gate.set()
+    assert engine.wait_ready(60)
+    long = _body(max_tokens=1500, logit_bias=NO_EOS, stream=True, seed=SLOW_SEED)
+    with (
+        httpx.Client(base_url=server.url, timeout=60) as http,
+        http.stream("POST", CHAT, json=long) as running,
+    ):
+        lines = running.iter_lines()
+        while not next(lines).startswith('data: {"id"'):
+            pass
+        with (
+            httpx.Client(base_url=server.url, timeout=60) as other,
+            other.stream("POST", CHAT, json=long) as waiting,
+        ):
+            assert waiting.status_code == 200
+            assert server.health().json()["queued"] == 1
+        # The waiting client hung up; the first stream still runs.
+        deadline = time.monotonic() + 5
+        while server.health().json()["queued"] > 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert server.health().json()["queued"] == 0
+        with (
+            httpx.Client(base_url=server.url, timeout=60) as other,
+            other.stream("POST", CHAT, json=long) as accepted,
+        ):
+            assert accepted.status_code == 200, accepted.read()
+            assert server.health().json()["stats"]["active"] == 1  # the first still runs
+    assert not server.wait_idle(timeout=10)["busy"]
+
+
+@pytest.fixture(scope="module")
+def wide(tiny_llama_dir: Path) -> Iterator[Server]:
+    settings = load_settings(model=str(tiny_llama_dir), max_batch=4, max_queue=1)
+    engine = Engine(settings.engine_config())
+    with serve_app(create_app(settings, engine)) as server:
+        assert engine.wait_ready(60)
+        yield server
+
+
+def test_a_burst_that_fits_batch_and_queue_is_admitted(wide: Server) -> None:
+    """max_batch 4 + max_queue 1: five requests arriving together on an idle server are
+    all accepted (the worker takes requests only between steps, so the queue alone would
+    refuse some while batch slots are free); a sixth while they run gets 429."""
+    slots = 5
+    barrier = threading.Barrier(slots)
+    body = _body(max_tokens=200, logit_bias=NO_EOS)
+
+    def one() -> httpx.Response:
+        with httpx.Client(base_url=wide.url, timeout=60) as http:
+            barrier.wait()
+            return http.post(CHAT, json=body)
+
+    for _ in range(2):
+        results: list[httpx.Response] = []
+
+        def run(out: list[httpx.Response] = results) -> None:
+            out.append(one())
+
+        threads = [threading.Thread(target=run) for _ in range(slots)]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + 10
+        while (stats := wide.health().json()["stats"])["active"] + stats["queued"] < slots:
+            if time.monotonic() > deadline or len(results) == slots:
+                break
+            time.sleep(0.005)
+        extra = httpx.post(wide.url + CHAT, json=_body(max_tokens=2), timeout=60)
+        for thread in threads:
+            thread.join(60)
+        assert sorted(r.status_code for r in results) == [200] * slots, [
+            r.text for r in results if r.status_code != 200
+        ]
+        if len(results) == slots and extra.status_code == 200:
+            continue  # the burst ended before the extra request arrived: try again
+        _assert_error(extra, 429, "rate_limit_error")
+        break
 
 
 def test_a_model_that_fails_to_load(tmp_path: Path) -> None:

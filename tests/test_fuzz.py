@@ -1,6 +1,9 @@
 """Property-based fuzz of the request schemas against a real server (hypothesis).
 
-Bodies mix plausible values, boundary values and arbitrary JSON in every field.
+Bodies mix plausible values, boundary values and arbitrary JSON in every field,
+and hostile ones: lone surrogates (JSON escapes Python cannot encode), numbers
+past any limit (a 5,000-digit literal), nesting past the depth limit, odd
+logit_bias keys, tools, response formats, chat templates from the client.
 Whatever the body: never a 5xx, never a traceback-shaped answer, an OpenAI error
 object on every 4xx, a well-formed answer or stream on 200, and the worker
 alive afterwards. Bounded: a tiny model, at most a few tokens per answer
@@ -33,7 +36,13 @@ FUZZ = settings(
 @pytest.fixture(scope="module")
 def fuzz_server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     server = start_server(
-        tiny_llama_dir, tmp_path_factory.mktemp("fuzz"), "--default-max-tokens", "4"
+        tiny_llama_dir,
+        tmp_path_factory.mktemp("fuzz"),
+        "--default-max-tokens",
+        "4",
+        "--allow-client-chat-template",
+        "--template-timeout",
+        "5",
     )
     yield server
     stop_server(server)
@@ -47,15 +56,30 @@ def http(fuzz_server: Server) -> Iterator[httpx.Client]:
 
 # -- strategies -------------------------------------------------------------------------
 
+# A number literal past Python's int-from-string limit (4,300 digits): json.dumps cannot
+# write one, so strategies write this marker and encode() puts the digits in.
+HUGE_NUMBER = "@@huge-number@@"
+HUGE_DIGITS = "9" * 5000
+
 # Integers are small (valid token budgets) or huge (past any context, past int64), never
 # in between: a mid-size max_tokens would just make the tiny model talk for seconds.
-ints = st.one_of(st.integers(-3, 8), st.integers(2**31, 2**70), st.integers(-(2**70), -(2**31)))
+ints = st.one_of(
+    st.integers(-3, 8),
+    st.integers(2**31, 2**70),
+    st.integers(-(2**70), -(2**31)),
+)
+# Now and then (such a body never parses, so not too often).
+huge = st.just(HUGE_NUMBER)
+# Text with what breaks naive handling now and then: lone surrogates, digits int()
+# refuses, NUL, a character JSON must escape.
+odd_chars = st.sampled_from(["\ud800", "\udfff", "\u00b2", "\u0661", "\x00", '"', "\u2028"])
+text_chars = st.one_of(st.characters(), odd_chars)
 scalars = st.one_of(
     st.none(),
     st.booleans(),
     ints,
     st.floats(allow_nan=True, allow_infinity=True),
-    st.text(max_size=12),
+    st.text(text_chars, max_size=12),
 )
 json_values = st.recursive(
     scalars,
@@ -64,6 +88,19 @@ json_values = st.recursive(
     ),
     max_leaves=6,
 )
+
+
+def nested(depth: int) -> str:
+    """JSON text nesting `depth` containers, lists and objects in turn."""
+    opens = "".join("[" if level % 2 else '{"k":' for level in range(depth))
+    closes = "".join("]" if level % 2 else "}" for level in reversed(range(depth)))
+    return opens + "1" + closes
+
+
+# Around the body's depth limit (64), and far past it (Python's recursion limit).
+# Written as markers: neither json.dumps nor hypothesis's reports recurse that deep.
+DEPTHS = [8, 60, 63, 64, 65, 100, 900, 3000]
+deep_values = st.sampled_from([f"@@deep-{depth}@@" for depth in DEPTHS])
 
 
 def field(plausible: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
@@ -98,9 +135,60 @@ valid_sampling = {
     "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
     "user": st.text(max_size=8),
 }
+tool_name = st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,10}", fullmatch=True)
+json_types = st.sampled_from(["string", "integer", "number", "boolean"])
+valid_tool = st.fixed_dictionaries(
+    {
+        "type": st.just("function"),
+        "function": st.fixed_dictionaries(
+            {"name": tool_name},
+            optional={
+                "description": text,
+                "parameters": st.fixed_dictionaries(
+                    {
+                        "type": st.just("object"),
+                        "properties": st.dictionaries(
+                            tool_name, st.fixed_dictionaries({"type": json_types}), max_size=2
+                        ),
+                    }
+                ),
+            },
+        ),
+    }
+)
+valid_response_format = st.one_of(
+    st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object"])}),
+    st.fixed_dictionaries(
+        {
+            "type": st.just("json_schema"),
+            "json_schema": st.fixed_dictionaries(
+                {
+                    "name": tool_name,
+                    "schema": st.fixed_dictionaries(
+                        {
+                            "type": st.just("object"),
+                            "properties": st.dictionaries(
+                                tool_name, st.fixed_dictionaries({"type": json_types}), max_size=2
+                            ),
+                        }
+                    ),
+                }
+            ),
+        }
+    ),
+)
 valid_chat = st.fixed_dictionaries(
     {"messages": st.lists(valid_message, min_size=1, max_size=3)},
-    optional={**valid_sampling, "max_completion_tokens": st.integers(1, 6)},
+    optional={
+        **valid_sampling,
+        "max_completion_tokens": st.integers(1, 6),
+        "tools": st.lists(valid_tool, min_size=1, max_size=2),
+        "tool_choice": st.sampled_from(["auto", "none"]),
+        "response_format": valid_response_format,
+        "chat_template_kwargs": st.fixed_dictionaries(
+            {}, optional={"enable_thinking": st.booleans()}
+        ),
+    },
 )
 valid_completion = st.fixed_dictionaries(
     {
@@ -114,35 +202,43 @@ valid_completion = st.fixed_dictionaries(
 )
 
 chaotic_part = st.fixed_dictionaries(
-    {"type": st.sampled_from(["text", "image_url", "input_audio", ""])},
+    {"type": st.sampled_from(["text", "image_url", "input_audio", "", "\ud800"])},
     optional={"text": field(st.text(max_size=12))},
 )
-content = field(st.one_of(st.text(max_size=40), st.lists(chaotic_part, max_size=2)))
+content = field(st.one_of(st.text(text_chars, max_size=40), st.lists(chaotic_part, max_size=2)))
 message = st.fixed_dictionaries(
-    {"role": field(st.sampled_from(["system", "developer", "user", "assistant", "tool", "bot"]))},
+    {
+        "role": field(
+            st.sampled_from(["system", "developer", "user", "assistant", "tool", "bot", "\ud800"])
+        )
+    },
     optional={
         "content": content,
         "name": field(st.text(max_size=8)),
         "tool_calls": json_values,
         "tool_call_id": field(st.text(max_size=8)),
+        "extra": deep_values,
     },
 )
 stop = field(st.one_of(st.text(max_size=4), st.lists(st.text(max_size=4), max_size=5)))
+odd_token_keys = st.sampled_from(
+    ["\u00b2", "\u0661", "1_0", " 5 ", "-1", "+1", "0x1", "1" * 5000, "", "\ud800", "1e3"]
+)
 logit_bias = field(
     st.dictionaries(
-        st.one_of(st.integers(-10, 600).map(str), st.text(max_size=4)),
-        st.floats(-150, 150),
+        st.one_of(st.integers(-10, 600).map(str), st.text(text_chars, max_size=4), odd_token_keys),
+        st.one_of(st.floats(-150, 150), st.floats(-150, 150), st.floats(-150, 150), huge),
         max_size=3,
     )
 )
 sampling = {
     "model": field(st.sampled_from(["tiny-llama", "gpt-4o", ""])),
-    "max_tokens": field(st.integers(-2, 6)),
+    "max_tokens": st.one_of(field(st.integers(-2, 6)), field(st.integers(-2, 6)), huge),
     "temperature": field(st.floats(-1, 3)),
     "top_p": field(st.floats(-0.5, 1.5)),
     "top_k": field(st.integers(-3, 100)),
     "min_p": field(st.floats(-0.5, 1.5)),
-    "seed": field(st.integers(-(2**70), 2**70)),
+    "seed": st.one_of(field(st.integers(-(2**70), 2**70)), huge),
     "stop": stop,
     "presence_penalty": field(st.floats(-3, 3)),
     "frequency_penalty": field(st.floats(-3, 3)),
@@ -151,23 +247,74 @@ sampling = {
     "n": field(st.integers(0, 3)),
     "stream": field(st.booleans()),
     "stream_options": field(st.fixed_dictionaries({"include_usage": st.booleans()})),
-    "user": json_values,
+    "user": st.one_of(json_values, deep_values),
+    "metadata": deep_values,
 }
+# Client templates (the fuzz server allows them): fine ones, failing ones, and ones
+# the sandbox's size limits stop at once. None that loops until the time limit.
+client_templates = st.sampled_from(
+    [
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:",
+        "{{ messages|tojson }}",
+        "",
+        "{% for %}",
+        "{{ raise_exception('no') }}",
+        "{{ 1 / 0 }}",
+        "{{ x.y.z }}",
+        '{{ "x" * 20000000 }}',
+        "{{ 'x'|center(999999999) }}",
+        "{{ ''.__class__ }}",
+        "{{ messages[0].content * 1000000000 }}",
+    ]
+)
+chat_template_kwargs = st.one_of(
+    json_values,
+    deep_values,
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "chat_template": field(client_templates),
+            "enable_thinking": field(st.booleans()),
+            "messages": json_values,
+            "tools": json_values,
+            "add_generation_prompt": json_values,
+            "documents": json_values,
+        },
+    ),
+)
+chaotic_tools = st.one_of(
+    json_values,
+    st.lists(st.one_of(valid_tool, json_values), max_size=2),
+)
+chaotic_tool_choice = st.one_of(
+    st.sampled_from(["auto", "none", "required", "\ud800"]),
+    st.fixed_dictionaries(
+        {"type": st.just("function"), "function": st.fixed_dictionaries({"name": field(tool_name)})}
+    ),
+)
+chaotic_response_format = st.one_of(
+    valid_response_format,
+    st.fixed_dictionaries({"type": st.sampled_from(["text", "x", "json_schema", "\ud800"])}),
+    st.fixed_dictionaries(
+        {"type": st.just("json_schema"), "json_schema": st.one_of(json_values, deep_values)}
+    ),
+)
 chaotic_chat = st.fixed_dictionaries(
     {"messages": field(st.lists(message, max_size=3))},
     optional={
         **sampling,
         "max_completion_tokens": field(st.integers(-2, 6)),
-        "tools": json_values,
-        "tool_choice": field(st.sampled_from(["auto", "none", "required"])),
-        "response_format": field(st.fixed_dictionaries({"type": st.sampled_from(["text", "x"])})),
+        "tools": chaotic_tools,
+        "tool_choice": field(chaotic_tool_choice),
+        "response_format": field(chaotic_response_format),
+        "parallel_tool_calls": field(st.booleans()),
         "logprobs": field(st.booleans()),
-        "chat_template_kwargs": json_values,
+        "chat_template_kwargs": chat_template_kwargs,
     },
 )
 prompt = field(
     st.one_of(
-        st.text(max_size=40),
+        st.text(text_chars, max_size=40),
         st.lists(st.text(max_size=10), max_size=2),
         st.lists(st.integers(-5, 700), max_size=8),
         st.lists(st.lists(st.integers(-5, 700), max_size=4), max_size=2),
@@ -219,17 +366,21 @@ def check(response: httpx.Response, raw: bytes, sent: bytes) -> None:
 
 
 def encode(body: Any) -> bytes:
-    return json.dumps(body, allow_nan=True).encode()  # NaN/Infinity: invalid JSON, on purpose
+    # NaN/Infinity: invalid JSON, on purpose. ASCII: lone surrogates go as \ud800 escapes.
+    text = json.dumps(body, allow_nan=True).replace(json.dumps(HUGE_NUMBER), HUGE_DIGITS)
+    for depth in DEPTHS:
+        text = text.replace(f'"@@deep-{depth}@@"', nested(depth))
+    return text.encode()
 
 
-@FUZZ
+@settings(FUZZ, max_examples=200)
 @given(body=chat_request)
 def test_fuzz_chat_completions(http: httpx.Client, body: dict[str, Any]) -> None:
     sent = encode(body)
     check(*post(http, "/v1/chat/completions", sent), sent)
 
 
-@FUZZ
+@settings(FUZZ, max_examples=120)
 @given(body=completion_request)
 def test_fuzz_completions(http: httpx.Client, body: dict[str, Any]) -> None:
     sent = encode(body)

@@ -122,6 +122,7 @@ def install_expert_offload(
     window_tokens: int = 256,
     stacked: bool = False,
     drop_page_cache: bool = False,
+    io_timeout: float = 30.0,
 ) -> ExpertOffload:
     """Replace every SwitchGLU of a prepared model with an OffloadedSwitchGLU.
 
@@ -181,7 +182,13 @@ def install_expert_offload(
             if infos[layer].router is None:
                 log.warning("layer %d: no router found; its experts are not prefetched", layer)
 
-    store = ExpertStore(layouts, threads=threads, verify=verify, drop_page_cache=drop_page_cache)
+    store = ExpertStore(
+        layouts,
+        threads=threads,
+        verify=verify,
+        drop_page_cache=drop_page_cache,
+        io_timeout=io_timeout,
+    )
     # LFU's half-life is counted in decoded tokens: one token uses top-k experts per layer.
     cache_policy = make_policy(policy, accesses_per_token=sum(i.top_k for i in infos.values()))
 
@@ -245,6 +252,7 @@ def offload_from_config(
             window_tokens=int(config.extra.get("expert_stats_window", 256)),
             stacked=config.extra.get("expert_compute", "per-expert") == "stacked",
             drop_page_cache=bool(config.extra.get("stream_drop_page_cache", False)),
+            io_timeout=float(config.io_timeout),
         )
     except (CacheCapacityError, ValueError, OSError) as exc:
         raise ModelLoadError(f"expert cache: {exc}") from exc

@@ -4,8 +4,11 @@
 tensors (gate / up / down weights, scales, biases) as one contiguous record and
 records each record's byte range in manifest.json (see engine/weights/prepare.py). So
 one expert is one `os.preadv` — no mmap, no per-tensor seeks — issued on a
-thread pool (the read releases the GIL, so reads overlap with each other and
-with MLX compute on the worker thread).
+pool of daemon threads (weights/reader.py's ReadPool: the read releases the
+GIL, so reads overlap with each other and with MLX compute on the worker
+thread, and a read stuck on hung storage never holds up the process's exit).
+Waiting for a read is bounded by `io_timeout`: the future's `result()` then
+raises an ExpertReadError naming the file.
 
 Bytes land in memory exactly once: the worker thread allocates an MLX uint8
 buffer of the record's size, the I/O thread reads the file straight into it
@@ -21,18 +24,40 @@ import os
 import threading
 import time
 import zlib
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
+
+from flashserve.engine.weights.reader import ReadPool
 
 log = logging.getLogger(__name__)
 
 
 class ExpertReadError(RuntimeError):
-    """An expert record that cannot be read (truncated or corrupted file)."""
+    """An expert record that cannot be read (truncated, corrupted or stalled file)."""
+
+
+class _TimedRead(Future):
+    """A read's future whose result() waits at most the store's io_timeout by default."""
+
+    def __init__(self, timeout: float, what: str) -> None:
+        super().__init__()
+        self._timeout = timeout
+        self._what = what
+
+    def result(self, timeout: float | None = None) -> Any:
+        try:
+            return super().result(self._timeout if timeout is None else timeout)
+        except FutureTimeout:
+            raise ExpertReadError(
+                f"{self._what}: read stalled (not done after {self._timeout:g} s, io_timeout); "
+                "the storage under it may be hung"
+            ) from None
 
 
 @dataclass(frozen=True)
@@ -127,17 +152,19 @@ class ExpertStore:
         threads: int = 8,
         verify: bool = True,
         drop_page_cache: bool = False,
+        io_timeout: float = 30.0,
     ) -> None:
         if threads < 1:
             raise ValueError("expert_threads must be >= 1")
         self.layouts = layouts
         self.verify = verify
+        self.io_timeout = io_timeout
         # Evict each record from the page cache once read: every read of it
         # then comes from disk, as for a model far larger than RAM (benchmarks).
         self.drop_page_cache = drop_page_cache and hasattr(os, "posix_fadvise")
         self._fds: dict[int, int] = {}
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="expert-io")
+        self._pool = ReadPool(threads, "expert-io")
         self.threads = threads
         self._free: dict[int, list[mx.array]] = {}  # record length -> reusable buffers
         self.max_free = 64
@@ -216,9 +243,12 @@ class ExpertStore:
         for (layer, expert), buffer in zip(keys, buffers, strict=True):
             offset, length = self.layouts[layer].records[expert]
             target = np.array(buffer, copy=False)  # writable view of MLX's memory
-            futures.append(
-                self._pool.submit(self._read, layer, expert, buffer, target, offset, length)
+            what = f"expert {expert} of layer {layer} ({self.layouts[layer].file})"
+            future = _TimedRead(self.io_timeout, what)
+            self._pool.submit(
+                self._read, layer, expert, buffer, target, offset, length, future=future
             )
+            futures.append(future)
         return futures
 
     def _read(
@@ -264,7 +294,7 @@ class ExpertStore:
         for spec in self.layouts[layer].tensors:
             raw = buffer[spec.offset : spec.offset + spec.nbytes]
             if spec.offset % max(spec.dtype.size, 1):
-                raw = mx.array(raw)  # misaligned for its dtype: copy rather than view
+                raw = mx.array(np.array(raw))  # misaligned for its dtype: copy, not a view
             out[spec.name] = raw.view(spec.dtype).reshape(spec.shape)
         return out
 
@@ -276,8 +306,13 @@ class ExpertStore:
         return arrays
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        stopped = self._pool.close()
         self._free.clear()
+        if not stopped:
+            # A read is stuck in the kernel: its descriptor must stay open (a reused
+            # number would be read by it); the process is ending anyway.
+            log.warning("an expert read is stuck; its files stay open")
+            return
         with self._lock:
             for fd in self._fds.values():
                 os.close(fd)

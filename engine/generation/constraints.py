@@ -28,7 +28,20 @@ log = logging.getLogger(__name__)
 
 
 class GrammarError(ValueError):
-    """A grammar (or JSON schema) that cannot be compiled; the message says why."""
+    """A grammar (or JSON schema) that cannot be compiled or stopped working during
+    generation; the message says why, `param` names the request field it came from."""
+
+    status = 400  # the request's grammar, not the server, is at fault
+    code = "constraint_failed"
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+def _reason(error: str) -> str:
+    """llguidance's reason without the parser state and grammar it appends."""
+    return error.split("\n<state>", 1)[0].strip().splitlines()[0] if error.strip() else error
 
 
 _lltok_cache: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
@@ -68,7 +81,7 @@ def compile_grammar(tokenizer: Any, lark: str) -> str:
     grammar = LLMatcher.grammar_from_lark(lark)
     error = LLMatcher.validate_grammar(grammar, ll_tokenizer(tokenizer))
     if error and not error.startswith("WARNING"):
-        raise GrammarError(error)
+        raise GrammarError(_reason(error))
     return grammar
 
 
@@ -79,21 +92,34 @@ class GrammarProcessor:
     (prompt included) and the logits of the next position.
     """
 
-    def __init__(self, tokenizer: Any, grammar: str, after: list[int] | None = None):
+    def __init__(
+        self,
+        tokenizer: Any,
+        grammar: str,
+        after: list[int] | None = None,
+        param: str | None = None,
+    ):
         """`after`: leave the output free until it ends with these tokens (a
-        reasoning block the prompt opened must close before the grammar starts)."""
+        reasoning block the prompt opened must close before the grammar starts).
+        `param`: the request field the grammar enforces, named in errors."""
         from llguidance import LLMatcher
 
+        self._param = param
         self._matcher = LLMatcher(ll_tokenizer(tokenizer), grammar, log_level=0)
-        if self._matcher.is_error():
-            raise GrammarError(self._matcher.get_error())
+        self._check()
         self._seen: int | None = None  # tokens already given to the matcher
         self._after = list(after or [])
-        self._disabled = False
+
+    def _check(self) -> None:
+        # A matcher in error would leave the logits unmasked (or all masked):
+        # the request must end with the reason, never continue unconstrained.
+        if self._matcher.is_error():
+            reason = _reason(self._matcher.get_error())
+            raise GrammarError(
+                f"Cannot enforce {self._param or 'the grammar'}: {reason}", self._param
+            )
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
-        if self._disabled:
-            return logits
         if self._after:
             # Free text until the gate closes; the grammar starts after it.
             n = len(self._after)
@@ -107,11 +133,12 @@ class GrammarProcessor:
             new = tokens[self._seen :].tolist()
             self._seen = tokens.shape[0]
             if not self._matcher.is_stopped() and not self._matcher.consume_tokens(new):
-                # Only possible if another processor overrode the mask.
-                log.warning("constrained decoding lost the grammar: %s", self._matcher.get_error())
-                self._disabled = True
-                return logits
+                # The grammar grew too complex for the parser's limits (a schema that
+                # requires itself), or another processor overrode the mask.
+                self._check()
+                raise GrammarError(f"Cannot enforce {self._param or 'the grammar'}", self._param)
         mask = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
+        self._check()
         return apply_bitmask(logits, mask)
 
 

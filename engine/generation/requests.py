@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -68,9 +69,27 @@ class ErrorEvent:
     message: str
     type: str = "server_error"
     code: str | None = None
+    status: int = 500  # 400 when the request itself could not be served as asked
+    param: str | None = None
 
 
 Event = TokenEvent | DoneEvent | ErrorEvent
+
+
+def error_event(exc: BaseException | None) -> ErrorEvent:
+    """The event that ends a request that failed with `exc`. An exception that
+    blames the request carries `status` (4xx), `code` and `param` (GrammarError
+    does); any other failure is the server's (500)."""
+    status = getattr(exc, "status", 500)
+    if isinstance(status, int) and 400 <= status < 500:
+        return ErrorEvent(
+            str(exc),
+            type="invalid_request_error",
+            code=getattr(exc, "code", None),
+            status=status,
+            param=getattr(exc, "param", None),
+        )
+    return ErrorEvent(f"generation failed: {exc}")
 
 
 class RequestHandle:
@@ -80,17 +99,39 @@ class RequestHandle:
     loop.call_soon_threadsafe so that the loop never blocks on MLX.
     """
 
-    def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop):
+    def __init__(
+        self,
+        request: GenerationRequest,
+        loop: asyncio.AbstractEventLoop,
+        on_release: Callable[[], None] | None = None,
+    ):
+        """`on_release`: called once, when the request stops holding an admission
+        slot (it ended, or it was cancelled while still waiting in the queue)."""
         self.request = request
         self._loop = loop
         self._queue: asyncio.Queue[Event] = asyncio.Queue()
         self.cancelled = False  # read by the worker between tokens
+        self.started = False  # set by the worker when it takes the request
+        self._on_release = on_release
+        self._release_lock = threading.Lock()
+
+    def release(self) -> None:
+        """Give the admission slot back (idempotent)."""
+        with self._release_lock:
+            callback, self._on_release = self._on_release, None
+        if callback is not None:
+            callback()
 
     def cancel(self) -> None:
         self.cancelled = True
+        if not self.started:
+            # A waiting request frees its slot now, not when the worker reaches it.
+            self.release()
 
     def push(self, event: Event) -> None:
         """Called from the worker thread."""
+        if not isinstance(event, TokenEvent):
+            self.release()
         try:
             self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
         except RuntimeError:

@@ -26,8 +26,13 @@ log = logging.getLogger(__name__)
 Sampler = Callable[[mx.array], mx.array]
 
 
+# Below this a temperature is greedy: 1/temperature would overflow float32 and the
+# sampler would draw any token.
+GREEDY_BELOW = 1e-4
+
+
 def make_request_sampler(params: SamplingParams) -> Sampler:
-    if params.temperature == 0:
+    if params.temperature < GREEDY_BELOW:
         # The shared greedy sampler lets BatchGenerator sample a batch in one call.
         return greedy_sampler
     key = mx.random.key(params.seed if params.seed is not None else secrets.randbits(63))

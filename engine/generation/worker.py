@@ -38,6 +38,7 @@ from flashserve.engine.generation.requests import (
     GenerationRequest,
     RequestHandle,
     TokenEvent,
+    error_event,
 )
 from flashserve.engine.generation.sampling import (
     GuardedProcessors,
@@ -49,10 +50,20 @@ from flashserve.engine.generation.stops import StopMatcher
 from flashserve.engine.loader import load
 from flashserve.engine.weights.fingerprint import weights_fingerprint
 from flashserve.engine.weights.model import LoadedModel, compute_dtype
+from flashserve.engine.weights.reader import WeightFileError
 
 log = logging.getLogger(__name__)
 
 MEMORY_CHECK_INTERVAL = 64  # generated tokens between memory-pressure checks
+
+
+def _log_failure(what: str, exc: BaseException) -> None:
+    """A damaged or stalled weight file is a known fault: one line naming the file.
+    Anything else is a bug: its traceback."""
+    if isinstance(exc, WeightFileError):
+        log.error("%s: %s", what, exc)
+    else:
+        log.error(what, exc_info=exc)
 
 
 class QueueFullError(Exception):
@@ -97,6 +108,8 @@ class Engine:
         self._layer_major: LayerMajorPrefill | None = None
         self.stats = WorkerStats()
         self._queue: queue.Queue[RequestHandle | None] = queue.Queue()
+        self._admission_lock = threading.Lock()
+        self._admitted = 0  # requests submitted and not yet ended or cancelled in the queue
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="flashserve-worker", daemon=True)
 
@@ -112,11 +125,24 @@ class Engine:
     def submit(self, request: GenerationRequest) -> RequestHandle:
         if self.state != "ready":
             raise EngineNotReadyError(self.load_error or f"model is {self.state}")
-        if self._queue.qsize() >= self.config.max_queue:
-            raise QueueFullError(f"{self._queue.qsize()} requests are already waiting")
-        handle = RequestHandle(request, asyncio.get_running_loop())
+        # Admission is decided here, as requests arrive, against every slot the
+        # engine has (batch and queue): the worker takes requests only between
+        # steps, so the queue alone would refuse requests while batch slots are free.
+        limit = self.config.max_batch + self.config.max_queue
+        with self._admission_lock:
+            if self._admitted >= limit:
+                raise QueueFullError(
+                    f"{self._admitted} requests are already running or waiting, the most "
+                    f"max_batch + max_queue allow"
+                )
+            self._admitted += 1
+        handle = RequestHandle(request, asyncio.get_running_loop(), self._release_slot)
         self._queue.put(handle)
         return handle
+
+    def _release_slot(self) -> None:
+        with self._admission_lock:
+            self._admitted -= 1
 
     @property
     def idle(self) -> bool:
@@ -125,7 +151,8 @@ class Engine:
     def shutdown(self, timeout: float = 5.0) -> None:
         self._queue.put(None)
         self._thread.join(timeout)
-        self.state = "stopped"
+        if self.state != "failed":  # a failed load stays failed: `serve` exits 2 on it
+            self.state = "stopped"
         if self.prompt_cache is not None:
             self.prompt_cache.close(timeout)  # pending disk writes: they outlive the run
         experts = self.loaded.experts if self.loaded is not None else None
@@ -134,7 +161,8 @@ class Engine:
 
     def stats_dict(self) -> dict:
         out = asdict(self.stats)
-        out["queued"] = self._queue.qsize()
+        # Waiting requests that still hold a slot (cancelled ones have let go).
+        out["queued"] = max(0, self._admitted - self.stats.active)
         return out
 
     # -- the worker thread ----------------------------------------------------------
@@ -225,7 +253,7 @@ class Engine:
                 self._step(batch, active)
             except Exception as exc:
                 # The step is shared, so every request in it fails; the worker goes on.
-                log.exception("batch step failed")
+                _log_failure("batch step failed", exc)
                 for uid in list(active):
                     self._fail(active, uid, exc)
                 batch = self._new_batch()
@@ -268,6 +296,7 @@ class Engine:
             if handle is None:
                 running = False
                 break
+            handle.started = True
             if handle.cancelled:
                 self.stats.requests_cancelled += 1
                 handle.push(DoneEvent("cancelled", len(handle.request.prompt_tokens), 0))
@@ -281,13 +310,13 @@ class Engine:
             try:
                 self._start(batch, start, active)
             except Exception as exc:
-                log.exception("request %s could not start", start.handle.request.request_id)
+                _log_failure(f"request {start.handle.request.request_id} could not start", exc)
                 self._refuse(start.handle, exc)
         return running
 
     def _refuse(self, handle: RequestHandle, exc: BaseException) -> None:
         self.stats.requests_failed += 1
-        handle.push(ErrorEvent(f"generation failed: {exc}"))
+        handle.push(error_event(exc))
 
     def _prepare(self, handle: RequestHandle) -> _Start | None:
         """The request's prompt, its longest cached prefix and its processors."""
@@ -334,7 +363,7 @@ class Engine:
             self._layer_major = None
             return
         except Exception as exc:
-            log.exception("layer-major prefill failed")
+            _log_failure("layer-major prefill failed", exc)
             for start in starts:
                 start.failed = True
                 self._refuse(start.handle, exc)
@@ -463,7 +492,7 @@ class Engine:
 
     def _fail_entry(self, entry: _Active, exc: BaseException | None) -> None:
         self.stats.requests_failed += 1
-        entry.handle.push(ErrorEvent(f"generation failed: {exc}"))
+        entry.handle.push(error_event(exc))
 
     def _store_prompts(self, batch: BatchGenerator, active: dict[int, _Active], responses) -> None:
         """Store the cache state of prompts whose prefill reached their last token.

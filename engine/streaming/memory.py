@@ -3,6 +3,18 @@
 Every probe here is cheap (a /proc read or an MLX counter) so a dashboard can
 poll the report every second. Linux reads /proc; macOS falls back to `ps`,
 sysconf and `vm_stat`.
+
+On Linux the memory this process may use is also bounded by its cgroup (a
+container's limit, a systemd unit's MemoryMax): past it the kernel reclaims
+and then kills, whatever /proc/meminfo says. So available memory is the
+smaller of the host's MemAvailable and the tightest cgroup on the way from
+this process's group to the root: limit - usage + the group's file LRU pages
+(page cache the kernel drops before it kills anything; MemAvailable counts
+page cache the same way). v1 (`memory.limit_in_bytes`, `memory.usage_in_bytes`,
+`memory.stat` total_inactive_file + total_active_file) and v2 (`memory.max`
+and `memory.high`, `memory.current`, `memory.stat` inactive_file +
+active_file) are both read; "no limit" (v2 `max`, v1 a page-aligned LONG_MAX)
+is skipped. Residency planning, shedding and /memory all see this number.
 """
 
 from __future__ import annotations
@@ -12,8 +24,9 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -24,10 +37,24 @@ log = logging.getLogger(__name__)
 _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+SELF_CGROUP = Path("/proc/self/cgroup")
+# v1 writes "no limit" as LONG_MAX rounded down to a page; anything this large is none.
+_UNLIMITED = 1 << 62
+
+
 @dataclass
 class SystemMemory:
-    total: int
+    total: int  # the smaller of the host's memory and the cgroup limit
     available: int
+    limit_source: str = "host"  # "host", or "cgroup v1 <dir>" / "cgroup v2 <dir>"
+
+
+@dataclass(frozen=True)
+class CgroupMemory:
+    limit: int  # the smallest limit from this process's group up to the root
+    available: int  # the least room left in any of those groups
+    source: str  # "cgroup v1 <dir>" / "cgroup v2 <dir>": the group of that limit
 
 
 @dataclass
@@ -57,9 +84,126 @@ def process_rss() -> int:
         return 0
 
 
-def system_memory() -> SystemMemory:
-    """Total and available system memory in bytes (available: what can be
-    allocated without swapping, i.e. MemAvailable on Linux)."""
+def system_memory(cgroup_root: Path | None = None, self_cgroup: Path = SELF_CGROUP) -> SystemMemory:
+    """Total and available memory in bytes for this process: the host's
+    (available: what can be allocated without swapping, MemAvailable on
+    Linux), bounded by its cgroup's limit (see the module doc)."""
+    host = _host_memory()
+    group = cgroup_memory(cgroup_root, self_cgroup)
+    if group is None:
+        return host
+    available = min(host.available, group.available)
+    if group.limit >= host.total:
+        return SystemMemory(host.total, available, "host")
+    return SystemMemory(group.limit, available, group.source)
+
+
+def cgroup_memory(root: Path | None = None, self_cgroup: Path = SELF_CGROUP) -> CgroupMemory | None:
+    """The memory limit of this process's cgroup (v1 or v2); None when unlimited or
+    not on Linux. `root`: where the hierarchies are mounted (default
+    /sys/fs/cgroup; tests pass a fake tree, and the file listing this process's
+    groups as `self_cgroup`)."""
+    root = Path(root or CGROUP_ROOT)
+    try:
+        lines = Path(self_cgroup).read_text().splitlines()
+    except OSError:
+        return None
+    v1 = v2 = None
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        if "memory" in parts[1].split(","):
+            v1 = parts[2]
+        elif parts[0] == "0" and not parts[1]:
+            v2 = parts[2]
+    if v1 is not None:
+        mounts = [d for d in _dirs(root) if "memory" in d.name.split(",")]
+        for mount in mounts:
+            if (mount / "memory.limit_in_bytes").exists():
+                return _tightest(mount, v1, _v1_group, "cgroup v1")
+    if v2 is not None:
+        for mount in (root, root / "unified"):
+            if (mount / "cgroup.controllers").exists():
+                found = _tightest(mount, v2, _v2_group, "cgroup v2")
+                if found is not None:
+                    return found
+    return None
+
+
+def _dirs(root: Path) -> list[Path]:
+    try:
+        return sorted(d for d in root.iterdir() if d.is_dir())
+    except OSError:
+        return []
+
+
+def _tightest(
+    mount: Path, path: str, probe: Callable[[Path], tuple[int, int] | None], kind: str
+) -> CgroupMemory | None:
+    """Walk from the process's group up to the mount; the smallest limit and room."""
+    group = mount / path.strip("/")
+    if not group.is_dir():
+        # In a container without a cgroup namespace /proc/self/cgroup names the
+        # host's path, while the container's own group is mounted at the root.
+        group = mount
+    found: CgroupMemory | None = None
+    while True:
+        try:
+            limits = probe(group)
+        except (OSError, ValueError):
+            limits = None
+        if limits is not None:
+            limit, available = limits
+            if found is None or limit < found.limit:
+                found = CgroupMemory(limit, available, f"{kind} {group}")
+            if available < found.available:
+                found = CgroupMemory(found.limit, available, found.source)
+        if group == mount or mount not in group.parents:
+            return found
+        group = group.parent
+
+
+def _stat(group: Path) -> dict[str, int]:
+    out = {}
+    for line in (group / "memory.stat").read_text().splitlines():
+        key, _, value = line.partition(" ")
+        if value.strip().isdigit():
+            out[key] = int(value)
+    return out
+
+
+def _room(limit: int, usage: int, reclaimable: int) -> tuple[int, int]:
+    return limit, max(0, min(limit, limit - usage + reclaimable))
+
+
+def _v1_group(group: Path) -> tuple[int, int] | None:
+    limit = int((group / "memory.limit_in_bytes").read_text())
+    if limit >= _UNLIMITED:
+        return None
+    usage = int((group / "memory.usage_in_bytes").read_text())
+    stat = _stat(group)
+    reclaimable = stat.get("total_inactive_file", stat.get("inactive_file", 0)) + stat.get(
+        "total_active_file", stat.get("active_file", 0)
+    )
+    return _room(limit, usage, reclaimable)
+
+
+def _v2_group(group: Path) -> tuple[int, int] | None:
+    limits = []
+    for name in ("memory.max", "memory.high"):  # high: past it the kernel throttles
+        file = group / name
+        if file.exists() and (value := file.read_text().strip()) != "max":
+            limits.append(int(value))
+    if not limits or min(limits) >= _UNLIMITED:
+        return None
+    usage = int((group / "memory.current").read_text())
+    stat = _stat(group)
+    return _room(min(limits), usage, stat.get("inactive_file", 0) + stat.get("active_file", 0))
+
+
+def _host_memory() -> SystemMemory:
+    """The machine's total and available memory."""
     try:
         with open("/proc/meminfo", "rb") as f:
             info = {}
@@ -132,8 +276,10 @@ class MemoryReport:
     """What GET /memory returns; every field is plain JSON data (asdict)."""
 
     rss_bytes: int
-    system_total_bytes: int
+    system_total_bytes: int  # the smaller of the host's memory and the cgroup limit
     system_available_bytes: int
+    memory_limit_bytes: int  # what this process may use: host memory or its cgroup's limit
+    memory_limit_source: str  # "host", or "cgroup v1 <dir>" / "cgroup v2 <dir>"
     mlx_active_bytes: int
     mlx_peak_bytes: int
     mlx_cache_bytes: int
@@ -175,6 +321,8 @@ def memory_report(
         rss_bytes=process_rss(),
         system_total_bytes=sysmem.total,
         system_available_bytes=sysmem.available,
+        memory_limit_bytes=sysmem.total,
+        memory_limit_source=sysmem.limit_source,
         mlx_active_bytes=mlxmem.active,
         mlx_peak_bytes=mlxmem.peak,
         mlx_cache_bytes=mlxmem.cache,

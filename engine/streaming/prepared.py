@@ -23,11 +23,14 @@ from flashserve.engine.streaming.residency import ResidencyManager, fmt_bytes, p
 from flashserve.engine.streaming.streamer import EMPTY, LayerInfo, LayerStreamer, Slot
 from flashserve.engine.weights.layout import (
     NON_LAYER_FILE,
+    check_small_files,
+    checksum_chunk,
     find_layers,
     read_manifest,
     verify_files,
 )
 from flashserve.engine.weights.model import LoadedModel, ModelLoadError, context_length_of
+from flashserve.engine.weights.reader import CHUNK_BYTES, read_tensors
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +74,9 @@ def _layer_info(root: Path, entry: dict, module: nn.Module, prefix: str) -> Laye
         slots=slots,
         dense_bytes=int(entry["tensor_bytes"]),
         expert_bytes=int(experts.get("tensor_bytes", 0)),
+        file_bytes=int(entry["bytes"]),
+        crc32=entry.get("crc32"),
+        experts_file_bytes=int(experts.get("bytes", 0)),
     )
 
 
@@ -94,9 +100,14 @@ def _build_model(root: Path, manifest: dict) -> tuple[nn.Module, dict]:
     return model, config
 
 
-def _load_non_layer(root: Path, model: nn.Module, prefix: str) -> int:
+def _load_non_layer(
+    root: Path, model: nn.Module, prefix: str, entry: dict, chunk: int, timeout: float
+) -> int:
     file = root / NON_LAYER_FILE
-    weights = mx.load(str(file))
+    # Checked against the manifest's checksums as it is read (WeightFileError names it).
+    weights = read_tensors(
+        file, int(entry["bytes"]), entry.get("crc32"), chunk_bytes=chunk, timeout=timeout
+    )
     expected = {n: a for n, a in tree_flatten(model.parameters()) if not n.startswith(prefix)}
     if set(weights) != set(expected):
         missing = sorted(set(expected) - set(weights))[:3]
@@ -165,6 +176,15 @@ def load_prepared(path: Path, config: EngineConfig) -> LoadedModel:
     root = Path(path)
     manifest = read_manifest(root)
     verify_files(root, manifest)
+    chunk = checksum_chunk(manifest)
+    if chunk is None:
+        log.warning(
+            "%s has no checksums (written by an older flashserve): weight files are read "
+            "unverified; run flashserve prepare MODEL %s --force to add them",
+            root / "manifest.json",
+            root,
+        )
+    check_small_files(root, manifest)
     model, model_config = _build_model(root, manifest)
     layers, prefix = find_layers(model)
     if prefix != manifest["layers_prefix"] or len(layers) != manifest["num_layers"]:
@@ -180,7 +200,9 @@ def load_prepared(path: Path, config: EngineConfig) -> LoadedModel:
             slot.container[slot.key] = EMPTY
         info.module._fs_index = info.index
         info.module._fs_streamer = None
-    non_layer_bytes = _load_non_layer(root, model, prefix)
+    non_layer_bytes = _load_non_layer(
+        root, model, prefix, manifest["non_layer"], chunk or CHUNK_BYTES, config.io_timeout
+    )
 
     streamer = LayerStreamer(
         model=model,
@@ -191,6 +213,8 @@ def load_prepared(path: Path, config: EngineConfig) -> LoadedModel:
         non_layer_bytes=non_layer_bytes,
         prefetch_depth=max(0, int(config.prefetch_depth)),
         drop_page_cache=bool(config.extra.get("stream_drop_page_cache", False)),
+        io_timeout=float(config.io_timeout),
+        chunk_bytes=chunk or CHUNK_BYTES,
     )
     if config.expert_cache:
         # The expert cache owns the experts (experts/): layers

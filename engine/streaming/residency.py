@@ -62,6 +62,7 @@ class PlanInputs:
     memory_budget: int | None = None
     mode: str | None = None
     available_bytes: int | None = None  # M_avail at plan time
+    available_source: str | None = None  # what bounds it: "host" or the cgroup
     runtime_reserve_bytes: int | None = None  # R_runtime
     kv_bytes_per_token: int = 0
     kv_reserve_tokens: int | None = None
@@ -93,7 +94,9 @@ class ResidencyPlan:
             text += f", budget {fmt_bytes(i.memory_budget)}"
         if i.available_bytes is not None:
             text += (
-                f", mode {i.mode}: available {fmt_bytes(i.available_bytes)}, runtime reserve "
+                f", mode {i.mode}: available {fmt_bytes(i.available_bytes)}"
+                + (f" ({i.available_source})" if i.available_source else "")
+                + ", runtime reserve "
                 f"{fmt_bytes(i.runtime_reserve_bytes or 0)}, KV reserve "
                 f"{fmt_bytes(i.kv_reserve_bytes or 0)} ({i.kv_reserve_tokens} tokens), "
                 f"prompt cache {fmt_bytes(i.prompt_cache_bytes)}"
@@ -172,6 +175,7 @@ def plan_residency(
                 "which are always resident"
             )
         count = _fit(budget - non_layer_bytes, layer_bytes, config.placement, buffers)
+        _warn_over_limit(budget, probe)
         if count < num_layers and budget < non_layer_bytes + buffers:
             log.warning(
                 "memory budget %s cannot hold the non-layer weights (%s) plus the streaming "
@@ -184,9 +188,14 @@ def plan_residency(
         mode = config.residency_mode
         if mode not in MODES:
             raise ModelLoadError(f"residency mode must be one of {', '.join(MODES)}, got {mode!r}")
-        from flashserve.engine.streaming.memory import available_memory
+        from flashserve.engine.streaming.memory import system_memory
 
-        available = int((probe or available_memory)())
+        if probe is None:
+            memory = system_memory()  # the host's, or the cgroup's when tighter
+            available = memory.available
+            inputs.available_source = memory.limit_source
+        else:
+            available = int(probe())
         tokens = MODES[mode] or context_length
         kv_reserve = tokens * kv_bytes_per_token
         inputs.policy = "auto"
@@ -213,6 +222,23 @@ def plan_residency(
     resident = place(count, num_layers, config.placement)
     streamed = [i for i in range(num_layers) if i not in set(resident)]
     return ResidencyPlan(len(resident), resident, streamed, inputs)
+
+
+def _warn_over_limit(budget: int, probe: Callable[[], int] | None) -> None:
+    """A budget past the memory this process may use (host or cgroup) ends in swapping
+    or the OOM killer; say so at load rather than after."""
+    if probe is not None:  # planning against a given probe (tests, tools): no real limit
+        return
+    from flashserve.engine.streaming.memory import system_memory
+
+    memory = system_memory()
+    if budget > memory.total:
+        log.warning(
+            "memory budget %s is larger than the memory limit %s (%s)",
+            fmt_bytes(budget),
+            fmt_bytes(memory.total),
+            memory.limit_source,
+        )
 
 
 def _fit(room: int, layer_bytes: list[int], placement: str, buffers: int) -> int:

@@ -14,23 +14,27 @@ turns every other decoder layer into a streamed layer:
   placeholders back so the weights are freed. That evaluation is the only
   synchronization streaming adds; resident layers are untouched modules, so a
   fully resident model runs exactly the plain mlx-lm path.
-* Reads run on a dedicated MLX CPU stream (`IO_STREAM`, one per thread):
-  `mx.load` of a safetensors file is lazy, and evaluating it on its own stream
-  reads the file on that stream's thread, into the final buffers (no copies),
-  while the compute stream runs the layers before. `prefetch_depth` layers
-  ahead are kept in flight, cyclically, so the first streamed layer of the
-  next token loads while the last layers and the LM head run.
+* Reads run on the `layer-io` pool (weights/reader.py): `os.preadv` of 4 MiB
+  chunks in parallel, straight into one MLX buffer per file, each chunk
+  checked against its CRC32 in the manifest as it lands. The tensors are
+  views of that buffer. The syscall releases the GIL, so the compute stream
+  runs the layers before meanwhile, and a hung disk freezes nothing but the
+  request that waits for it: past `io_timeout` seconds without progress the
+  wait fails, naming the file. `prefetch_depth` layers ahead are kept in
+  flight, cyclically, so the first streamed layer of the next token loads
+  while the last layers and the LM head run. A layer's buffer is read into
+  again by a later load once the layer has run (no allocation per token).
 * KV caches and recurrent state live in the cache list outside the layers, so
   they survive the weights being released.
-* MoE experts travel with their layer (re-stacked from the per-expert records
-  of experts/layer_XXXX.safetensors) until an expert cache takes them over
-  (`LayerStreamer.detach_experts`).
+* MoE experts travel with their layer until an expert cache takes them over
+  (`LayerStreamer.detach_experts`): each expert's record of
+  experts/layer_XXXX.safetensors is read with one `preadv` scattered into the
+  stacked tensors ([experts, ...]), and checked against the record's CRC32.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Iterator
@@ -41,15 +45,27 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.utils import tree_flatten
 
 from flashserve.engine.streaming.residency import ResidencyManager, ResidencyPlan, ShedEvent
 from flashserve.engine.weights.model import ModelLoadError
+from flashserve.engine.weights.reader import (
+    CHUNK_BYTES,
+    FileRead,
+    Piece,
+    ReadPool,
+    WeightFileError,
+    allocate,
+    chunk_pieces,
+    safetensors_views,
+    shared_pool,
+    view_as,
+)
 
 log = logging.getLogger(__name__)
 
-# One stream per thread (an MLX stream may only be used on the thread that made it).
-IO_STREAM = mx.new_thread_local_stream(mx.cpu)
+_SIZE_CLASS = 1 << 20  # streamed-layer buffers come in whole MiB (see _buffer)
 
 EMPTY = mx.zeros((0,))
 mx.eval(EMPTY)  # concrete, so no thread ever has to evaluate it
@@ -107,12 +123,25 @@ class LayerInfo:
     slots: list[Slot]
     dense_bytes: int
     expert_bytes: int
+    file_bytes: int = 0  # size of the layer file
+    crc32: list[int] | None = None  # per checksum chunk; None: not verified (old manifest)
+    experts_file_bytes: int = 0
+
+
+@dataclass
+class _Read:
+    """One file being read into `buffer` (raw: numpy's view of it, the pool writes there)."""
+
+    job: FileRead
+    buffer: mx.array
+    raw: np.ndarray
 
 
 @dataclass
 class _Pending:
     index: int
-    weights: dict[str, mx.array]  # relative name -> array (lazy until read)
+    dense: _Read
+    experts: _Read | None  # the layer's stacked experts, while they travel with it
     nbytes: int
 
 
@@ -133,9 +162,15 @@ class LayerStreamer:
     drop_page_cache: bool = False
     plan: ResidencyPlan | None = None
     residency: ResidencyManager | None = None
+    # Seconds a read may make no progress before the layer's request fails.
+    io_timeout: float = 30.0
+    chunk_bytes: int = CHUNK_BYTES  # the manifest's checksum chunk
+    pool: ReadPool = field(default_factory=shared_pool)
     stats: StreamStats = field(default_factory=StreamStats)
     _streamed: list[int] = field(default_factory=list)  # in execution order
     _pending: dict[int, _Pending] = field(default_factory=dict)
+    _running: dict[int, _Pending] = field(default_factory=dict)  # installed streamed layers
+    _free: dict[int, list[tuple[mx.array, np.ndarray]]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _held: int | None = None  # the layer `holding` keeps installed
 
@@ -173,9 +208,11 @@ class LayerStreamer:
         mx.clear_cache()
 
     def drop_prefetched(self) -> None:
-        """Forget prefetched layers (frees their buffers once no computation uses them)."""
+        """Forget prefetched layers and spare buffers (freed once no read or computation
+        uses them; a read still in flight keeps its buffer until it ends)."""
         with self._lock:
             self._pending.clear()
+            self._free.clear()
 
     def detach_experts(self) -> None:
         """Stop carrying MoE experts with their layers (an expert cache owns them now).
@@ -206,9 +243,9 @@ class LayerStreamer:
                     del self._pending[index]
 
     def _make_resident(self, info: LayerInfo) -> None:
-        pending = self._load(info)
-        self._install(info, pending.weights)
-        mx.eval(list(pending.weights.values()))
+        weights = self._weights(info, self._load(info, fresh=True))
+        self._install(info, weights)
+        mx.eval(list(weights.values()))
         if is_streamed(info.module):
             info.module.__class__ = type(info.module)._fs_base
 
@@ -224,25 +261,97 @@ class LayerStreamer:
         lp = f"{self.prefix}{info.index}."
         return any(f"{lp}{name}".startswith(sw["path"] + ".") for sw in info.switches)
 
-    def _load(self, info: LayerInfo) -> _Pending:
-        """Start reading layer `info` on the I/O stream; returns lazy arrays."""
-        lp = f"{self.prefix}{info.index}."
-        try:
-            loaded = mx.load(str(info.file), stream=IO_STREAM)
-        except Exception as exc:  # a file changed or vanished under us
-            raise ModelLoadError(f"{info.file}: cannot read layer weights: {exc}") from exc
-        weights = {name[len(lp) :]: arr for name, arr in loaded.items()}
+    def _load(self, info: LayerInfo, fresh: bool = False) -> _Pending:
+        """Start reading layer `info` on the pool (MLX thread: it allocates).
+
+        `fresh`: into new buffers (a resident layer keeps them), not recycled ones.
+        """
+        buffer, raw = self._buffer(info.file_bytes, fresh)
+        pieces = chunk_pieces(raw[: info.file_bytes], info.crc32, self.chunk_bytes)
+        dense = _Read(self._read(info.file, info.file_bytes, pieces), buffer, raw)
+        experts = None
         nbytes = info.dense_bytes
         if info.switches and self.experts_with_layers:
-            experts = mx.load(str(info.experts_file), stream=IO_STREAM)
-            for sw in info.switches:
-                rel = sw["path"][len(lp) :]
-                count = sw["num_experts"]
-                for name in sw["tensors"]:
-                    parts = [experts[f"{sw['path']}.{e:04d}.{name}"] for e in range(count)]
-                    weights[f"{rel}.{name}"] = mx.stack(parts, stream=IO_STREAM)
+            experts = self._load_experts(info, fresh)
             nbytes += info.expert_bytes
-        return _Pending(info.index, weights, nbytes)
+        return _Pending(info.index, dense, experts, nbytes)
+
+    def _read(self, path: Path, size: int, pieces: list[Piece]) -> FileRead:
+        return FileRead(path, size, pieces, self.pool, drop_page_cache=self.drop_page_cache)
+
+    def _load_experts(self, info: LayerInfo, fresh: bool) -> _Read:
+        """One preadv per expert record, scattered into the stacked tensors' regions."""
+        assert info.experts_file is not None
+        regions = _expert_regions(info.switches)
+        size = max((r[0] + r[1] * r[2]["num_experts"] for r in regions.values()), default=0)
+        buffer, raw = self._buffer(size, fresh)
+        view = memoryview(raw)
+        pieces = []
+        for sw in info.switches:
+            crcs = sw.get("crc32")
+            names = sorted(sw["tensors"], key=lambda n: sw["tensors"][n]["offset"])
+            for e, (offset, _) in enumerate(sw["records"]):
+                targets = []
+                for name in names:
+                    base, nbytes, _ = regions[f"{sw['path']}.{name}"]
+                    targets.append(view[base + e * nbytes : base + (e + 1) * nbytes])
+                pieces.append(Piece(int(offset), targets, None if crcs is None else crcs[e]))
+        job = self._read(info.experts_file, info.experts_file_bytes, pieces)
+        return _Read(job, buffer, raw)
+
+    def _weights(self, info: LayerInfo, pending: _Pending) -> dict[str, mx.array]:
+        """Wait for layer `info`'s reads (io_timeout) and return its tensors by relative name."""
+        lp = f"{self.prefix}{info.index}."
+        dense = pending.dense
+        dense.job.wait(self.io_timeout)
+        weights = {}
+        for name, arr in safetensors_views(dense.buffer, dense.raw, info.file).items():
+            if not name.startswith(lp):
+                raise WeightFileError(f"{info.file}: tensor {name} is not of layer {info.index}")
+            weights[name[len(lp) :]] = arr
+        if pending.experts is not None:
+            read = pending.experts
+            read.job.wait(self.io_timeout)
+            for path, (base, nbytes, sw) in _expert_regions(info.switches).items():
+                spec = sw["tensors"][path[len(sw["path"]) + 1 :]]
+                dtype = getattr(mx, spec["dtype"])
+                count = sw["num_experts"]
+                weights[path[len(lp) :]] = view_as(
+                    read.buffer,
+                    read.raw,
+                    base,
+                    base + count * nbytes,
+                    dtype,
+                    [count, *spec["shape"]],
+                )
+        return weights
+
+    def _buffer(self, size: int, fresh: bool) -> tuple[mx.array, np.ndarray]:
+        """A buffer of at least `size` bytes: a spare one, else a new one.
+
+        Streamed reads use size classes (whole MiB), so layer files that differ
+        by a few header bytes share buffers. A miss frees the spares first: they
+        are of another class, and keeping them would hold more than the plan's
+        (prefetch_depth + 1) layer buffers.
+        """
+        if fresh:
+            return allocate(size)
+        size = -(-size // _SIZE_CLASS) * _SIZE_CLASS
+        with self._lock:
+            spare = self._free.get(size)
+            if spare:
+                return spare.pop()
+            self._free.clear()
+        return allocate(size)
+
+    def _recycle(self, pending: _Pending) -> None:
+        """Keep a run layer's buffers for the next loads (no allocation per token)."""
+        with self._lock:
+            for read in (pending.dense, pending.experts):
+                if read is not None and read.job.future.done():
+                    spare = self._free.setdefault(read.raw.size, [])
+                    if len(spare) <= self.prefetch_depth:
+                        spare.append((read.buffer, read.raw))
 
     def _install(self, info: LayerInfo, weights: dict[str, mx.array]) -> None:
         for slot in info.slots:
@@ -263,7 +372,6 @@ class LayerStreamer:
 
     def _prefetch(self, info: LayerInfo) -> _Pending:
         pending = self._load(info)
-        mx.async_eval(list(pending.weights.values()))
         self.stats.layer_loads += 1
         self.stats.bytes_read += pending.nbytes
         return pending
@@ -276,28 +384,37 @@ class LayerStreamer:
         depth = min(self.prefetch_depth, len(order) - 1)
         for k in range(1, depth + 1):
             nxt = order[(pos + k) % len(order)]
+            # Only this (the MLX) thread changes _pending; the lock is for snapshot().
             if nxt not in self._pending:
-                self._pending[nxt] = self._prefetch(self.layers[nxt])
+                pending = self._prefetch(self.layers[nxt])
+                with self._lock:
+                    self._pending[nxt] = pending
 
     def _acquire(self, info: LayerInfo) -> None:
-        """Install layer `info`'s weights: the prefetched read, or a read now."""
+        """Install layer `info`'s weights: the prefetched read, or a read now.
+
+        The next layers' reads are queued before waiting for this one, so they
+        overlap it. The wait is outside the lock: /memory never waits on a disk.
+        """
         with self._lock:
             pending = self._pending.pop(info.index, None)
-            if pending is None:
-                pending = self._prefetch(info)
-                self.stats.sync_loads += 1
-            else:
-                self.stats.prefetch_hits += 1
-            self._install(info, pending.weights)
-            del pending
-            self._schedule_after(info.index)
+        if pending is None:
+            pending = self._prefetch(info)
+            self.stats.sync_loads += 1
+        else:
+            self.stats.prefetch_hits += 1
+        self._schedule_after(info.index)
+        weights = self._weights(info, pending)  # WeightFileError names the file
+        self._install(info, weights)
+        self._running[info.index] = pending
 
-    def _drop(self, info: LayerInfo) -> None:
+    def _drop(self, info: LayerInfo, ran: bool) -> None:
+        """Release layer `info`; `ran`: its computation is evaluated, so its buffers
+        can take the next reads (after a failure a lazy graph might still use them)."""
         self._release(info)
-        if self.drop_page_cache:
-            _evict(info.file)
-            if info.experts_file is not None and self.experts_with_layers:
-                _evict(info.experts_file)
+        pending = self._running.pop(info.index, None)
+        if ran and pending is not None:
+            self._recycle(pending)
 
     def _call(self, layer: nn.Module, args: tuple, kwargs: dict) -> Any:
         out = type(layer)._fs_base.__call__(layer, *args, **kwargs)
@@ -314,10 +431,12 @@ class LayerStreamer:
         start = time.perf_counter()
         info = self.layers[layer._fs_index]
         self._acquire(info)
+        ran = False
         try:
             out = self._call(layer, args, kwargs)
+            ran = True
         finally:
-            self._drop(info)
+            self._drop(info, ran)
         self.stats.streamed_seconds += time.perf_counter() - start
         return out
 
@@ -333,11 +452,13 @@ class LayerStreamer:
         info = self.layers[index]
         self._acquire(info)
         self._held = index
+        ran = False
         try:
             yield
+            ran = True  # the block evaluates what it ran through the layer
         finally:
             self._held = None
-            self._drop(info)
+            self._drop(info, ran)
             self.stats.streamed_seconds += time.perf_counter() - start
 
     # --- reporting ---------------------------------------------------------
@@ -372,14 +493,24 @@ class LayerStreamer:
         }
 
 
-def _evict(path: Path) -> None:
-    if not hasattr(os, "posix_fadvise"):
-        return
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+def _expert_regions(switches: list[dict]) -> dict[str, tuple[int, int, dict]]:
+    """{stacked parameter path: (offset in the buffer, bytes per expert, switch)}.
+
+    Each stacked tensor gets one region of num_experts x its per-expert bytes,
+    aligned to 16 bytes so every region is a view of its dtype.
+    """
+    out, at = {}, 0
+    for sw in switches:
+        specs = sorted(sw["tensors"].items(), key=lambda kv: kv[1]["offset"])
+        ends = [0] + [int(spec["offset"]) + int(spec["nbytes"]) for _, spec in specs]
+        if [int(spec["offset"]) for _, spec in specs] != ends[:-1] or (
+            ends[-1] != sw["record_bytes"]
+        ):
+            raise ModelLoadError(f"{sw['path']}: expert records are not back to back tensors")
+        for name, spec in specs:
+            out[f"{sw['path']}.{name}"] = (at, int(spec["nbytes"]), sw)
+            at += -(-int(spec["nbytes"]) * int(sw["num_experts"]) // 16) * 16
+    return out
 
 
 def _cache_arrays(args: tuple, kwargs: dict) -> list[mx.array]:

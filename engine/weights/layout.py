@@ -21,8 +21,11 @@ manifest.json (format_version 1):
     options                  {"bits", "expert_bits", "group_size"}
     quantization             {"default": {...} | null,
                               "modules": {module path: {group_size, bits, mode}}}
-    non_layer                {"file", "bytes", "tensor_bytes", "tensors": [names]}
+    checksums                {"algorithm": "crc32", "chunk_bytes": C}
+    non_layer                {"file", "bytes", "tensor_bytes", "tensors": [names],
+                              "crc32": [zlib.crc32 of each C-byte chunk of the file]}
     layers[i]                {"index", "file", "bytes", "tensor_bytes", "tensors": [names],
+                              "crc32": [per C-byte chunk, as for non_layer],
                               "moe": bool, "experts": null | {
                                  "file", "bytes", "tensor_bytes",
                                  "switches": [{
@@ -34,7 +37,16 @@ manifest.json (format_version 1):
                                     "records": [[absolute file offset, R], ...]  # per expert
                                     "crc32": [zlib.crc32 of each record's bytes]  # per expert
                                  }]}}
+    files                    {name: {"bytes", "crc32"}}: config, tokenizer, template files
     total_bytes              sum of every weight file's size
+
+Checksums: every byte of a weight file that serving reads is covered. Layer
+and non-layer files are checked chunk by chunk as they are read
+(weights/reader.py), so verifying costs no second pass; expert files by their
+records' CRCs (their headers are never read when serving). The small files are
+checked at load and only warned about: editing a chat template after prepare is
+legitimate. Manifests from before checksums (no "checksums" key) still load,
+unverified, with a warning.
 
 A switch's stacked parameter `{path}.{name}` ([E, ...]) is split into per-expert
 tensors named `{path}.{e:04d}.{name}` ([...]).
@@ -43,7 +55,10 @@ tensors named `{path}.{e:04d}.{name}` ([...]).
 from __future__ import annotations
 
 import json
+import logging
+import stat
 import struct
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +66,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from flashserve.engine.weights.model import ModelLoadError
+
+log = logging.getLogger(__name__)
 
 FORMAT = "flashserve-prepared"
 FORMAT_VERSION = 1
@@ -132,8 +149,34 @@ def read_manifest(path: Path) -> dict:
     return manifest
 
 
+def checksum_chunk(manifest: dict) -> int | None:
+    """Bytes per CRC32 of the weight files; None: a manifest from before checksums."""
+    info = manifest.get("checksums")
+    if not info:
+        return None
+    if info.get("algorithm") != "crc32" or int(info.get("chunk_bytes", 0)) <= 0:
+        raise ModelLoadError(f"manifest checksums {info!r}: not understood")
+    return int(info["chunk_bytes"])
+
+
+def check_small_files(path: Path, manifest: dict) -> None:
+    """Warn about config, tokenizer and template files that changed since prepare."""
+    for name, entry in (manifest.get("files") or {}).items():
+        file = Path(path) / name
+        try:
+            data = file.read_bytes()
+        except OSError as exc:
+            log.warning("%s: cannot be read (%s)", file, exc.strerror or exc)
+            continue
+        if len(data) != entry["bytes"] or zlib.crc32(data) != entry["crc32"]:
+            log.warning("%s: differs from the manifest (edited after prepare?); used as is", file)
+
+
 def verify_files(path: Path, manifest: dict) -> None:
-    """Refuse missing or truncated weight files, naming the file."""
+    """Refuse missing, truncated or irregular weight files, naming the file.
+
+    Only `stat`: contents are checked as they are read (weights/reader.py).
+    """
     entries = [manifest["non_layer"]]
     for layer in manifest["layers"]:
         entries.append(layer)
@@ -142,9 +185,12 @@ def verify_files(path: Path, manifest: dict) -> None:
     for entry in entries:
         file = Path(path) / entry["file"]
         try:
-            size = file.stat().st_size
+            info = file.stat()
+            size = info.st_size
         except FileNotFoundError:
             raise ModelLoadError(f"{file}: missing from the prepared directory") from None
+        if not stat.S_ISREG(info.st_mode):
+            raise ModelLoadError(f"{file}: not a regular file")
         if size != entry["bytes"]:
             raise ModelLoadError(
                 f"{file}: {size} bytes, manifest says {entry['bytes']} "

@@ -38,6 +38,7 @@ from flashserve.engine.weights.layout import (
     layer_file,
     switch_modules,
 )
+from flashserve.engine.weights.reader import CHUNK_BYTES, ST_DTYPES, file_crcs
 from flashserve.engine.weights.sources import is_prepared, load_plain, resolve
 
 log = logging.getLogger(__name__)
@@ -47,21 +48,7 @@ _WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt", ".pth", ".npz")
 
 ProgressFn = Callable[[int, int, str], None]
 
-_ST_DTYPES = {
-    mx.bool_: "BOOL",
-    mx.uint8: "U8",
-    mx.int8: "I8",
-    mx.uint16: "U16",
-    mx.int16: "I16",
-    mx.uint32: "U32",
-    mx.int32: "I32",
-    mx.uint64: "U64",
-    mx.int64: "I64",
-    mx.float16: "F16",
-    mx.bfloat16: "BF16",
-    mx.float32: "F32",
-    mx.float64: "F64",
-}
+_ST_DTYPES = {dtype: name for name, dtype in ST_DTYPES.items()}
 
 
 class PrepareError(Exception):
@@ -247,17 +234,21 @@ def _claim_output(out: Path, force: bool, source: Path | None) -> None:
     out.mkdir(parents=True, exist_ok=True)
 
 
-def _write_tokenizer(src: _Source, out: Path) -> None:
+def _write_tokenizer(src: _Source, out: Path) -> list[str]:
+    """Write the tokenizer files; return their names."""
     if src.is_gguf or src.path is None or not src.path.is_dir():
         # A GGUF tokenizer lives in memory; save it as HF files (+ chat template).
-        src.tokenizer._tokenizer.save_pretrained(str(out))
-        return
+        saved = src.tokenizer._tokenizer.save_pretrained(str(out))
+        return [Path(p).name for p in saved if Path(p).parent == out and Path(p).is_file()]
+    names = []
     for p in sorted(src.path.iterdir()):
         if not p.is_file() or p.name in ("config.json", MANIFEST_NAME):
             continue
         if p.name.endswith(_WEIGHT_SUFFIXES) or p.name.endswith(".safetensors.index.json"):
             continue
         shutil.copy2(p, out / p.name)
+        names.append(p.name)
+    return names
 
 
 def _write_config(config: dict, quant: dict[str, dict], out: Path) -> dict | None:
@@ -322,6 +313,7 @@ def _write_layer(out: Path, index: int, prefix: str, layer: nn.Module) -> dict[s
         "bytes": path.stat().st_size,
         "tensor_bytes": _tensor_bytes(dense),
         "tensors": [n for n, _ in dense],
+        "crc32": file_crcs(path, CHUNK_BYTES),
         "moe": bool(switches),
         "experts": None,
     }
@@ -405,6 +397,15 @@ def _record_crcs(path: Path, records: list[list[int]]) -> list[int]:
         return out
 
 
+def _small_files(out: Path, names: list[str]) -> dict[str, dict[str, int]]:
+    """Size and CRC32 of the files written beside the weights (config, tokenizer, template)."""
+    found = {}
+    for name in sorted(set(names)):
+        data = (out / name).read_bytes()
+        found[name] = {"bytes": len(data), "crc32": zlib.crc32(data)}
+    return found
+
+
 def _release(module: nn.Module) -> None:
     # Drop the written weights so peak memory stays near one layer.
     empty = mx.zeros((0,))
@@ -447,7 +448,7 @@ def prepare(
     quant = quantized_modules(model)
     total = len(layers) + 1
 
-    _write_tokenizer(src, out)
+    small_files = [*_write_tokenizer(src, out), "config.json"]
     default_quant = _write_config(src.config, quant, out)
 
     non_layer_arrays = [
@@ -462,6 +463,7 @@ def prepare(
         "bytes": (out / NON_LAYER_FILE).stat().st_size,
         "tensor_bytes": _tensor_bytes(non_layer),
         "tensors": [n for n, _ in non_layer],
+        "crc32": file_crcs(out / NON_LAYER_FILE, CHUNK_BYTES),
     }
     del non_layer
     _report(
@@ -491,6 +493,8 @@ def prepare(
         "source": {"spec": str(model_spec), "hash": source_hash(src.path, model_spec)},
         "options": {"bits": bits, "expert_bits": expert_bits, "group_size": group_size},
         "quantization": {"default": default_quant, "modules": quant},
+        "checksums": {"algorithm": "crc32", "chunk_bytes": CHUNK_BYTES},
+        "files": _small_files(out, small_files),
         "non_layer": non_layer_entry,
         "layers": layer_entries,
         "total_bytes": sum(weight_files),

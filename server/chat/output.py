@@ -31,9 +31,9 @@ class ChatOutput:
         """Newly generated text -> events to send now (may be none while holding back)."""
         return _events(self._parser.feed(text)) if text else []
 
-    def finish(self) -> list[OutputEvent]:
-        """Generation ended: release whatever is held back."""
-        return _events(self._parser.finish())
+    def finish(self, engine_reason: str) -> list[OutputEvent]:
+        """Generation ended (stop | length): release whatever is held back."""
+        return _events(self._parser.finish(cut=engine_reason == "length"))
 
     def finish_reason(self, engine_reason: str) -> str:
         """The engine's reason (stop | length) -> the pipeline's (tool_calls after a call)."""

@@ -6,8 +6,12 @@ held back until the next piece decides it, so no marker ever leaks into
 content, even when a marker arrives split over several tokens.
 
 A tool-call block is buffered until its end marker and parsed whole: only a
-complete, valid call of an offered tool becomes `tool_calls`; anything else
-goes back to content verbatim with a logged warning. The cost is that a
+complete, valid call of an offered tool becomes `tool_calls`. A complete
+block that does not parse goes back to content verbatim with a logged
+warning; a block the output ends inside (cut off by max_tokens, or the model
+stopped) is dropped with a warning, never returned as content: clients send
+content back in the next turn's history, and unfinished markup there would
+teach the model to write it. The cost is that a
 call's arguments arrive in one fragment when the call is complete rather
 than token by token. Streaming and non-streaming responses use the same
 parser, so the two always agree.
@@ -90,6 +94,7 @@ class OutputParser:
         self.content = ""
         self.reasoning_text = ""
         self.tool_calls: list[ToolCall] = []
+        self._cut = False
 
     # -- public --------------------------------------------------------------------
 
@@ -97,8 +102,10 @@ class OutputParser:
         self._buf += text
         return self._run(final=False)
 
-    def finish(self) -> Parsed:
-        """Release everything held back; call once after the last feed()."""
+    def finish(self, cut: bool = False) -> Parsed:
+        """Release everything held back; call once after the last feed(). `cut`: the
+        output was cut short (max_tokens), so a block it ends in is unfinished."""
+        self._cut = cut
         out = self._run(final=True)
         if self._held_ws and not self.tool_calls:
             out.content += self._held_ws
@@ -187,11 +194,12 @@ class OutputParser:
                 return self._calls(block, fmt.start + block + fmt.end)
         if not final:
             return None
-        # End of output: the block runs to here (formats without an end
-        # marker), or the model stopped before closing it: parse what there is.
         block, self._block = self._block, ""
         self._state = "done"
-        return self._calls(block, fmt.start + block)
+        if fmt.end:
+            return self._unfinished(block)
+        # Formats without an end marker: the block runs to the end of the output.
+        return self._calls(block, fmt.start + block, cut=self._cut)
 
     def _step_done(self, final: bool) -> Parsed | None:
         if self._buf:
@@ -212,12 +220,24 @@ class OutputParser:
         self._held_ws = text[len(body) :]
         return out
 
-    def _calls(self, block: str, raw: str) -> Parsed:
+    def _unfinished(self, block: str) -> Parsed:
+        self._held_ws = "" if self.tool_calls else self._held_ws
+        log.warning(
+            "the output ended inside a %s tool call (%d characters); the unfinished call "
+            "is dropped",
+            self._format.name if self._format else "?",
+            len(block),
+        )
+        return Parsed()
+
+    def _calls(self, block: str, raw: str, cut: bool = False) -> Parsed:
         fmt = self._format
         assert fmt is not None
         try:
             calls = fmt.parse_calls(block, self._tools)
         except ToolCallParseError as exc:
+            if cut:
+                return self._unfinished(block)
             log.warning(
                 "model wrote a malformed %s tool call (%s); returned as content", fmt.name, exc
             )

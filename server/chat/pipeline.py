@@ -33,10 +33,10 @@ class ChatTurn:
         async for piece in self.generation.pieces():
             for event in self._output.feed(piece):
                 yield event
-        for event in self._output.finish():
-            yield event
         outcome = self.generation.outcome
         assert outcome is not None
+        for event in self._output.finish(outcome.finish_reason):
+            yield event
         yield Finished(
             reason=self._output.finish_reason(outcome.finish_reason),
             prompt_tokens=outcome.prompt_tokens,
@@ -63,8 +63,13 @@ async def start_chat(
     tokenizer: Any = loaded.tokenizer
     plan = plan_chat(request, tokenizer, options)
     messages, tools = template_inputs(plan, request.messages)
-    prompt_text, prompt = render_prompt(
-        tokenizer, messages, tools, request.chat_template_kwargs, param=request.messages_param
+    prompt_text, prompt = await render_prompt(
+        tokenizer,
+        messages,
+        tools,
+        request.chat_template_kwargs,
+        options.prompt,
+        param=request.messages_param,
     )
     max_tokens = completion_budget(
         len(prompt),

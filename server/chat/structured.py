@@ -78,20 +78,83 @@ def _parameters(tool: dict) -> dict:
     return params if params.get("type") else {**params, "type": "object"}
 
 
-def _call_schema(tool: dict, args_key: str) -> dict:
+# Keywords whose values are data, not schemas: a "$ref" key inside them is not a reference.
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+
+
+def _has_ref(node: Any) -> bool:
+    if isinstance(node, dict):
+        return any(
+            (k == "$ref" and isinstance(v, str)) or (k not in _DATA_KEYWORDS and _has_ref(v))
+            for k, v in node.items()
+        )
+    return isinstance(node, list) and any(_has_ref(v) for v in node)
+
+
+def _rebase(node: Any, prefix: str) -> Any:
+    """`node` with every local reference (`#`, `#/...`) moved under `prefix`."""
+    if isinstance(node, list):
+        return [_rebase(v, prefix) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {}
+    for key, value in node.items():
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
+            out[key] = prefix + value[1:]
+        elif key in _DATA_KEYWORDS:
+            out[key] = value
+        else:
+            out[key] = _rebase(value, prefix)
+    return out
+
+
+class _Defs:
+    """Schemas hoisted to the root of the grammar's JSON schema.
+
+    A tool's parameters are nested inside the call object, so their local
+    references (`#/$defs/Country`, `#` for recursion; pydantic writes them for
+    every nested model) would resolve against the wrong root. A schema that
+    uses references is kept whole under the root's `$defs` and its references
+    are rewritten to point into that copy.
+    """
+
+    def __init__(self) -> None:
+        self.schemas: dict[str, dict] = {}
+
+    def place(self, schema: dict, root: dict | None = None) -> dict:
+        """`schema` (a part of `root`, or the root itself) as it can stand anywhere."""
+        root = schema if root is None else root
+        if not _has_ref(root):
+            return schema
+        key = next((k for k, v in self.schemas.items() if v is root), None)
+        if key is None:
+            key = f"tool_{len(self.schemas)}"
+            self.schemas[key] = root
+        prefix = f"#/$defs/{key}"
+        return {"$ref": prefix} if schema is root else _rebase(schema, prefix)
+
+    def rooted(self, schema: dict) -> dict:
+        """`schema` as the root of a grammar's JSON, with the hoisted definitions."""
+        if not self.schemas:
+            return schema
+        defs = {k: _rebase(v, f"#/$defs/{k}") for k, v in self.schemas.items()}
+        return {**schema, "$defs": defs}
+
+
+def _call_schema(tool: dict, args_key: str, defs: _Defs) -> dict:
     return {
         "type": "object",
         "properties": {
             "name": {"const": tool["function"]["name"]},
-            args_key: _parameters(tool),
+            args_key: defs.place(_parameters(tool)),
         },
         "required": ["name", args_key],
         "additionalProperties": False,
     }
 
 
-def _any_call(tools: list[dict], args_key: str) -> dict:
-    schemas = [_call_schema(t, args_key) for t in tools]
+def _any_call(tools: list[dict], args_key: str, defs: _Defs) -> dict:
+    schemas = [_call_schema(t, args_key, defs) for t in tools]
     return schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
 
 
@@ -111,7 +174,7 @@ def _qwen3_coder_value(schema: dict) -> str:
         return '/-?[0-9]{1,18}(\\.[0-9]{1,18})?/ "\\n"'
     if kind == "boolean":
         return '("true" | "false") "\\n"'
-    if kind in ("object", "array"):
+    if kind in ("object", "array") or "$ref" in schema:
         return f'{_json(schema)} "\\n"'
     return "VALUE"
 
@@ -123,7 +186,10 @@ def _qwen3_coder_call(tool: dict) -> str:
     parts = [json.dumps(f"<function={name}>\n")]
     for param, schema in (params.get("properties") or {}).items():
         opening = json.dumps(f"<parameter={param}>\n")
-        part = f'{opening} {_qwen3_coder_value(schema or {})} "</parameter>\\n"'
+        # Each value is its own JSON document: references go to a copy of the parameters.
+        defs = _Defs()
+        value = defs.rooted(defs.place(schema or {}, params))
+        part = f'{opening} {_qwen3_coder_value(value)} "</parameter>\\n"'
         parts.append(f"({part})" if param in required else f"({part})?")
     parts.append('"</function>\\n"')
     return " ".join(parts)
@@ -157,21 +223,22 @@ def tool_call_grammar(
     """
     chosen = [t for t in tools if choice.mode != "named" or t["function"]["name"] == choice.name]
     many = parallel and choice.mode != "named"
+    defs = _Defs()
     if fmt.name == "hermes":
-        body = _json(_any_call(chosen, "arguments"))
+        body = _json(defs.rooted(_any_call(chosen, "arguments", defs)))
         call = f'{literal(fmt.start)} "\\n" {body} "\\n" {literal(fmt.end)}'
         sep = '"\\n"'
     elif fmt.name == "mistral":
         items: dict[str, Any] = {
             "type": "array",
-            "items": _any_call(chosen, "arguments"),
+            "items": _any_call(chosen, "arguments", defs),
             "minItems": 1,
         }
         if not many:
             items["maxItems"] = 1
-        return Grammar(f'{literal(fmt.start)} " " {_json(items)}')
+        return Grammar(f'{literal(fmt.start)} " " {_json(defs.rooted(items))}')
     elif fmt.name == LLAMA3:
-        call = _json(_any_call(chosen, "parameters"))
+        call = _json(defs.rooted(_any_call(chosen, "parameters", defs)))
         sep = '"; "'
     elif fmt.name == "qwen3_coder":
         funcs = " | ".join(f"({_qwen3_coder_call(t)})" for t in chosen)

@@ -133,15 +133,26 @@ def _serve(args: argparse.Namespace) -> int:
     settings = _settings(args)
     _check_model(settings)
 
+    # Importing mlx_lm.utils sets the open-file limits to (2048, 4096); ours come after.
+    import mlx_lm.utils  # noqa: F401
+
     from flashserve.engine.generation.worker import Engine
     from flashserve.server.app import create_app
+    from flashserve.server.http.connections import fit_open_file_limit
     from flashserve.server.http.lifecycle import make_server
 
     engine = Engine(settings.engine_config())
     app = create_app(settings, engine)
-    # Graceful shutdown (drain generations on SIGTERM, exit 0) and the access log.
+    # Graceful shutdown (drain generations on SIGTERM and SIGINT, exit 0), the access
+    # log, and connections bounded (idle ones closed) within the open-file limit.
     server = make_server(
-        app, settings.host, settings.port, settings.log_level, settings.shutdown_grace
+        app,
+        settings.host,
+        settings.port,
+        settings.log_level,
+        settings.shutdown_grace,
+        max_connections=fit_open_file_limit(settings.max_connections),
+        keep_alive_timeout=settings.keep_alive_timeout,
     )
 
     def stop_if_load_fails() -> None:
@@ -152,7 +163,10 @@ def _serve(args: argparse.Namespace) -> int:
     threading.Thread(target=stop_if_load_fails, daemon=True).start()
     server.run()
     if engine.state == "failed":
-        print(f"flashserve: {engine.load_error}", file=sys.stderr)
+        # One line, no traceback: exit code 2 tells service managers not to restart
+        # (systemd's RestartPreventExitStatus=2); a broken model will not load later.
+        reason = " ".join(str(engine.load_error).split())
+        print(f"flashserve: the model failed to load: {reason}", file=sys.stderr)
         return EXIT_USAGE
     return 0
 
@@ -182,7 +196,7 @@ def _import_gguf(args: argparse.Namespace) -> int:
 def _prepare(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     from flashserve.engine.weights.model import ModelLoadError
-    from flashserve.engine.weights.prepare import prepare
+    from flashserve.engine.weights.prepare import PrepareError, prepare
 
     spec = None if args.model == "default" else args.model
     try:
@@ -194,7 +208,7 @@ def _prepare(args: argparse.Namespace) -> int:
             group_size=args.group_size,
             force=args.force,
         )
-    except (ModelLoadError, FileExistsError, ValueError) as exc:
+    except (PrepareError, ModelLoadError, FileExistsError, ValueError) as exc:
         raise _UserError(str(exc)) from None
     return 0
 

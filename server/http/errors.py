@@ -17,10 +17,16 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel
+from pydantic import BaseModel, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from flashserve.engine.generation.worker import EngineNotReadyError, QueueFullError
+
+MAX_MESSAGE_CHARS = 2000
+# How deep a request body's JSON may nest. Real bodies stay far below (a JSON
+# schema in a tool is a few levels per schema level); deeper ones exist to
+# exhaust the recursion of whatever walks them next.
+MAX_JSON_DEPTH = 64
 
 
 class ErrorDetail(BaseModel):
@@ -30,6 +36,17 @@ class ErrorDetail(BaseModel):
     type: str
     param: str | None = None
     code: str | None = None
+
+    @field_validator("message", "param")
+    @classmethod
+    def _printable(cls, value: str | None) -> str | None:
+        # Messages quote the request (a model name, a field's key). JSON may carry
+        # lone surrogates (\ud800) that UTF-8 cannot encode: write them as escapes,
+        # or the response itself would fail. Long quotes are cut.
+        if value is None:
+            return None
+        value = value.encode("utf-8", "backslashreplace").decode("utf-8")
+        return value if len(value) <= MAX_MESSAGE_CHARS else value[:MAX_MESSAGE_CHARS] + "..."
 
 
 class ErrorResponse(BaseModel):
@@ -71,6 +88,25 @@ class APIError(Exception):
 
 def invalid_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
+
+
+def too_deep_message() -> str:
+    return f"The request body is nested deeper than {MAX_JSON_DEPTH} levels."
+
+
+def nested_deeper_than(value: Any, limit: int) -> bool:
+    """Whether JSON data nests containers more than `limit` deep (without recursing)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            item = list(item.values())
+        elif not isinstance(item, list):
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in item if isinstance(child, (dict, list)))
+    return False
 
 
 def model_not_found(name: str) -> APIError:
@@ -234,6 +270,12 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     status = exc.status_code
     codes = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
     message = str(exc.detail)
+    if isinstance(exc.__cause__, RecursionError):
+        # FastAPI's json.loads gave up on a body nested past Python's recursion limit.
+        message = too_deep_message()
+    elif isinstance(exc.__cause__, ValueError) and "integer string" in str(exc.__cause__):
+        # json.loads refuses integer literals past sys.get_int_max_str_digits().
+        message = "A number in the JSON body has too many digits."
     if status == 404 and message == "Not Found":
         message = f"Unknown route: {request.method} {request.url.path}"
     elif status == 405:

@@ -195,8 +195,19 @@ class GracefulServer(uvicorn.Server):
             self.tracker.cancel_all("shutdown")
 
 
-def make_server(app: Any, host: str, port: int, log_level: str, grace: float) -> GracefulServer:
-    """The uvicorn server for `flashserve serve`, with graceful shutdown wired in."""
+def make_server(
+    app: Any,
+    host: str,
+    port: int,
+    log_level: str,
+    grace: float,
+    *,
+    max_connections: int = 1000,
+    keep_alive_timeout: float = 5.0,
+) -> GracefulServer:
+    """The uvicorn server for `flashserve serve`: graceful shutdown, bounded connections."""
+    from flashserve.server.http.connections import bounded_protocol
+
     config = uvicorn.Config(
         app,
         host=host,
@@ -207,20 +218,28 @@ def make_server(app: Any, host: str, port: int, log_level: str, grace: float) ->
         # Backstop only: the drain ends generations after `grace`; this bounds a
         # connection that still does not close (e.g. a client that stopped reading).
         timeout_graceful_shutdown=grace + FLUSH_MARGIN_S,
+        # Idle connections are closed to stay within max_connections (http/connections.py);
+        # a request arriving while more are open, all busy, gets 503. uvicorn counts
+        # the new connection too, hence + 1.
+        http=bounded_protocol(max_connections),
+        limit_concurrency=max_connections + 1,
+        timeout_keep_alive=keep_alive_timeout,  # typed int, used as call_later's delay
     )
     server = GracefulServer(config, getattr(app.state, "tracker", None), grace)
-    _exit_zero_after_sigterm(server)
+    _exit_zero_after_signal(server)
     return server
 
 
-def _exit_zero_after_sigterm(server: uvicorn.Server) -> None:
+def _exit_zero_after_signal(server: uvicorn.Server) -> None:
     """After a graceful shutdown uvicorn re-raises the signal it caught, under the
-    handler that was installed before it started. With the default handler SIGTERM
-    would then kill the process (exit 143) although shutdown was clean; this handler
-    makes that re-raise a no-op, and before uvicorn runs it starts a shutdown."""
+    handler that was installed before it started. With the default handlers SIGTERM
+    would then kill the process (exit 143) and SIGINT raise KeyboardInterrupt (exit
+    130) although shutdown was clean; this handler makes that re-raise a no-op, and
+    before uvicorn runs it starts a shutdown. Ctrl-C is a stop request like SIGTERM."""
 
-    def on_sigterm(signum: int, frame: Any) -> None:
+    def on_signal(signum: int, frame: Any) -> None:
         if not server.should_exit:
             server.handle_exit(signum, frame)
 
-    signal.signal(signal.SIGTERM, on_sigterm)
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)

@@ -1,10 +1,12 @@
-"""ASGI middleware: request ids and access log, body size limit, CORS.
+"""ASGI middleware: request ids and access log, body size limit, HEAD, CORS.
 
 Order, outermost first (see install_middleware):
   RequestContext  request id, access log line, metrics, last-resort 500
+  HostCheck       keyless servers: 400 for unknown Host names (server/http/hosts.py)
   CORS            preflights answered before auth; error responses get CORS headers
   ApiKey          server/http/security.py
-  BodyLimit       413 before the app reads a too-large body
+  BodyLimit       413 before the app sees a too-large body
+  Head            HEAD answered as GET without the body
 """
 
 from __future__ import annotations
@@ -180,7 +182,14 @@ def route_templates(app: FastAPI) -> list[tuple[re.Pattern[str], str]]:
 
 
 class BodyLimitMiddleware:
-    """413 for bodies over `max_bytes`, declared (Content-Length) or chunked."""
+    """413 for bodies over `max_bytes`, counted on the bytes actually received.
+
+    A declared Content-Length over the limit is refused before anything is read.
+    Otherwise the body is read here, up to the limit, and replayed to the app:
+    the headers cannot be trusted for the count. With both `Transfer-Encoding:
+    chunked` and a small `Content-Length`, the HTTP parser follows the chunks
+    (RFC 9112) and would hand the app a body of any size.
+    """
 
     def __init__(self, app: ASGIApp, max_bytes: int):
         self.app = app
@@ -190,8 +199,7 @@ class BodyLimitMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        headers = dict(scope["headers"])
-        length = headers.get(b"content-length")
+        length = dict(scope["headers"]).get(b"content-length")
         if length is not None:
             try:
                 declared = int(length)
@@ -200,13 +208,7 @@ class BodyLimitMiddleware:
             if declared > self.max_bytes:
                 await self._reject(scope, receive, send)
                 return
-            # The HTTP server never delivers more than the declared length.
-            await self.app(scope, receive, send)
-            return
-        if b"chunked" not in headers.get(b"transfer-encoding", b"").lower():
-            await self.app(scope, receive, send)
-            return
-        # Chunked: no length up front. Read up to the limit here, then replay.
+        # Every route reads its whole body anyway: buffering it first costs one copy.
         chunks: list[bytes] = []
         size = 0
         while True:
@@ -228,7 +230,7 @@ class BodyLimitMiddleware:
             if not replayed:
                 replayed = True
                 return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-            return await receive()
+            return await receive()  # after the body: http.disconnect, for streams
 
         await self.app(scope, replay, send)
 
@@ -244,19 +246,48 @@ class BodyLimitMiddleware:
         await response(scope, receive, send)
 
 
+class HeadMiddleware:
+    """HEAD answered as GET, without the body. FastAPI routes list only GET, so
+    HEAD /health was 405; monitors and `curl -I` ask with HEAD."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_headers_only(message: Message) -> None:
+            if message["type"] == "http.response.body":
+                if message.get("more_body", False):
+                    return
+                message = {"type": "http.response.body", "body": b"", "more_body": False}
+            await send(message)
+
+        # The headers stay those of GET, Content-Length included (RFC 9110, 9.3.2).
+        await self.app({**scope, "method": "GET"}, receive, send_headers_only)
+
+
 def install_middleware(
     app: FastAPI,
     *,
     metrics: Metrics | None,
     api_key: str | None,
     allowed_origins: list[str],
+    allowed_hosts: list[str],
     max_body_bytes: int,
     log_prompts: bool,
 ) -> None:
     """Add the middleware stack to `app` (before it starts). add_middleware puts each
-    new layer outside the previous ones, so this adds innermost first."""
+    new layer outside the previous ones, so this adds innermost first.
+
+    `allowed_hosts`: the Host check's extra names (server/http/hosts.py); the check
+    applies only without an API key, and "*" turns it off."""
+    from flashserve.server.http.hosts import HostCheckMiddleware
     from flashserve.server.http.security import ApiKeyMiddleware
 
+    app.add_middleware(HeadMiddleware)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
@@ -272,6 +303,9 @@ def install_middleware(
             "max_age": 600,
         }
         app.add_middleware(CORSMiddleware, **kwargs)
+    if api_key is None and "*" not in allowed_hosts:
+        # Outside CORS: a rebinding page is its own origin and needs no preflight.
+        app.add_middleware(HostCheckMiddleware, allowed=allowed_hosts)
     app.add_middleware(
         RequestContextMiddleware, metrics=metrics, log_prompts=log_prompts, routes_app=app
     )

@@ -1,5 +1,5 @@
-"""Wire the production features into an app: API key, CORS, body limit, request
-ids and access log, Prometheus /metrics, request time limit and shutdown drain.
+"""Wire the production features into an app: API key, Host check, CORS, body limit,
+HEAD, request ids and access log, Prometheus /metrics, request time limit and shutdown drain.
 
 create_app calls `install_production(app, settings, engine)` once, before the
 app starts, and adds the /metrics route and its sources. It leaves on app.state:
@@ -17,6 +17,7 @@ from typing import Any
 from fastapi import FastAPI
 from sse_starlette.sse import AppStatus
 
+from flashserve.server.http.hosts import bind_host_names
 from flashserve.server.http.lifecycle import RequestTracker
 from flashserve.server.http.metrics import Metrics
 from flashserve.server.http.middleware import install_middleware
@@ -37,6 +38,7 @@ def install_production(app: FastAPI, settings: Settings, engine: Any) -> None:
         metrics=metrics,
         api_key=api_key,
         allowed_origins=settings.allowed_origins,
+        allowed_hosts=[*settings.allowed_hosts, *bind_host_names(settings.host)],
         max_body_bytes=settings.max_body_bytes,
         log_prompts=settings.log_prompts,
     )

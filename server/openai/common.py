@@ -7,6 +7,10 @@ from flashserve.server.http.errors import invalid_request
 from flashserve.server.openai.protocol import PromptTokensDetails, SamplingFields, Usage
 
 DEFAULT_TEMPERATURE = 1.0  # the OpenAI API's default
+# Below this a temperature is greedy decoding, and is sent as 0: sampling divides
+# the logits by it, and 1/1e-308 in float32 is inf (every logit -inf or NaN, any
+# token drawn, grammars broken).
+GREEDY_BELOW = 1e-4
 
 
 def sampling_params(body: SamplingFields, vocab_size: int) -> SamplingParams:
@@ -23,8 +27,9 @@ def sampling_params(body: SamplingFields, vocab_size: int) -> SamplingParams:
                     "invalid_value",
                 )
             bias[token] = float(value)
+    temperature = DEFAULT_TEMPERATURE if body.temperature is None else body.temperature
     return SamplingParams(
-        temperature=DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
+        temperature=0.0 if temperature < GREEDY_BELOW else temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
         # top_k at or above the vocabulary size keeps every token: the same as off.
         top_k=body.top_k if body.top_k and 0 < body.top_k < vocab_size else 0,

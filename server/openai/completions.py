@@ -11,7 +11,8 @@ from sse_starlette import EventSourceResponse
 from flashserve.engine.generation.requests import GenerationRequest
 from flashserve.engine.generation.worker import Engine
 from flashserve.engine.weights.model import LoadedModel
-from flashserve.server.chat.prompts import check_unicode
+from flashserve.server.chat.conversation import PromptLimits
+from flashserve.server.chat.prompts import check_unicode, encode, run_render_job
 from flashserve.server.generation import (
     Generation,
     cancel_on_disconnect,
@@ -33,8 +34,14 @@ async def create_completion(
     engine: Engine,
     default_max_tokens: int,
     vocab_size: int,
+    limits: PromptLimits | None = None,
 ) -> Completion | EventSourceResponse:
-    prompt = encode_completion_prompt(loaded.tokenizer, body.prompt, vocab_size)
+    # Tokenizing is CPU work: on a render thread, within template_timeout (chat/prompts.py).
+    prompt = await run_render_job(
+        lambda deadline: encode_completion_prompt(loaded.tokenizer, body.prompt, vocab_size),
+        limits or PromptLimits(),
+        "prompt",
+    )
     max_tokens = completion_budget(
         len(prompt),
         body.max_tokens,
@@ -91,7 +98,7 @@ def encode_completion_prompt(tokenizer: Any, prompt: Any, vocab_size: int) -> li
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, str):
-        tokens = list(tokenizer.encode(check_unicode(prompt, "prompt")))
+        tokens = encode(tokenizer, check_unicode(prompt, "prompt"), add_special_tokens=True)
     else:
         tokens = [int(t) for t in prompt]
         bad = [t for t in tokens if not 0 <= t < vocab_size]

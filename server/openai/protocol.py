@@ -10,6 +10,7 @@ logprobs, non-text content) rather than silently dropping them.
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -22,7 +23,12 @@ from pydantic import (
     model_validator,
 )
 
+from flashserve.server.http.errors import MAX_JSON_DEPTH, nested_deeper_than, too_deep_message
+
 MAX_STOP_STRINGS = 16
+# logit_bias keys: token ids in ASCII digits (str.isdigit also takes '²' and
+# other digits int() refuses); ten digits cover every vocabulary.
+TOKEN_ID_KEY = re.compile(r"\s*-?[0-9]{1,10}\s*", re.ASCII)
 
 
 # -- shared request fields ------------------------------------------------------------
@@ -52,6 +58,14 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _not_too_deep(cls, data: Any) -> Any:
+        # Before any field is read: later steps (templates, schemas, dumps) recurse.
+        if nested_deeper_than(data, MAX_JSON_DEPTH):
+            raise ValueError(too_deep_message())
+        return data
+
     @field_validator("n")
     @classmethod
     def _one_choice(cls, value: int | None) -> int | None:
@@ -70,8 +84,9 @@ class SamplingFields(BaseModel):
     @classmethod
     def _bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         for key, bias in (value or {}).items():
-            if not key.strip().lstrip("-").isdigit():
-                raise ValueError(f"keys must be token ids (integers as strings), got {key!r}")
+            if not TOKEN_ID_KEY.fullmatch(key):
+                shown = key if len(key) <= 20 else key[:20] + "..."
+                raise ValueError(f"keys must be token ids (integers as strings), got {shown!r}")
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(f"bias for token {key} is {bias}; it must be in [-100, 100]")
         return value
@@ -100,8 +115,10 @@ class ContentPart(BaseModel):
     @model_validator(mode="after")
     def _text_only(self) -> ContentPart:
         if self.type != "text":
+            # repr: the type may hold a lone surrogate, which the error could not carry.
             raise ValueError(
-                f"content part type '{self.type}' is not supported: this server accepts text only"
+                f"content part type {self.type[:40]!r} is not supported: this server accepts "
+                "text only"
             )
         if self.text is None:
             raise ValueError("a text content part needs 'text'")

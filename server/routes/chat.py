@@ -6,6 +6,7 @@ from fastapi import APIRouter, Request
 from sse_starlette import EventSourceResponse
 
 from flashserve.server.chat.conversation import ChatOptions
+from flashserve.server.chat.prompts import prompt_limits
 from flashserve.server.http.deps import (
     EngineDep,
     ExtraProcessors,
@@ -47,4 +48,5 @@ def chat_options(settings: Settings) -> ChatOptions:
         tool_parser=settings.tool_parser,
         reasoning_parser=settings.reasoning_parser,
         default_max_tokens=settings.default_max_tokens,
+        prompt=prompt_limits(settings),
     )

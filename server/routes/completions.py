@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from sse_starlette import EventSourceResponse
 
+from flashserve.server.chat.prompts import prompt_limits
 from flashserve.server.http.deps import EngineDep, ReadyModel, SettingsDep, check_model, vocab_size
 from flashserve.server.openai.completions import create_completion
 from flashserve.server.openai.protocol import Completion, CompletionRequest
@@ -22,5 +23,11 @@ async def completions(
 ) -> Completion | EventSourceResponse:
     check_model(body.model, loaded, settings)
     return await create_completion(
-        body, request, loaded, engine, settings.default_max_tokens, vocab_size(loaded)
+        body,
+        request,
+        loaded,
+        engine,
+        settings.default_max_tokens,
+        vocab_size(loaded),
+        prompt_limits(settings),
     )

@@ -32,8 +32,14 @@ class BatchView(BaseModel):
 
 class MemoryResponse(BaseModel):
     rss_bytes: int = Field(description="resident set size of the server process")
-    system_total_bytes: int
-    system_available_bytes: int = Field(description="what can be allocated without swapping")
+    system_total_bytes: int = Field(description="host memory, or the cgroup limit when smaller")
+    system_available_bytes: int = Field(
+        description="what can be allocated without swapping or passing the cgroup limit"
+    )
+    memory_limit_bytes: int = Field(description="the memory this process may use")
+    memory_limit_source: str = Field(
+        description='where that limit comes from: "host", "cgroup v1 <dir>" or "cgroup v2 <dir>"'
+    )
     mlx_active_bytes: int
     mlx_peak_bytes: int
     mlx_cache_bytes: int
