@@ -18,6 +18,7 @@ from pydantic import (
     ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
+    StrictInt,
     field_validator,
     model_serializer,
     model_validator,
@@ -217,7 +218,8 @@ class ChatCompletionRequest(SamplingFields):
     response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    # Strict: JSON `false` is not 0 (pydantic's lax mode reads booleans as ints).
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
 
     @field_validator("logprobs")
     @classmethod
@@ -236,12 +238,17 @@ class ChatCompletionRequest(SamplingFields):
 # -- completions request ---------------------------------------------------------------
 
 
+# The server refuses an empty prompt, so the schema says so.
+PromptText = Annotated[str, Field(min_length=1)]
+
+
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    # Token ids are strict ints: `[[false]]` is not token id 0.
+    prompt: PromptText | list[PromptText] | list[StrictInt] | list[list[StrictInt]]
     echo: bool | None = False
     suffix: str | None = None
     best_of: int | None = None
-    logprobs: int | None = None
+    logprobs: StrictInt | None = Field(None, ge=0, le=5)
 
     @field_validator("prompt")
     @classmethod
@@ -260,7 +267,7 @@ class CompletionRequest(SamplingFields):
             raise ValueError("suffix is not supported")
         if self.best_of not in (None, 1):
             raise ValueError("only best_of=1 is supported")
-        if self.logprobs:
+        if self.logprobs is not None:  # 0 asks for the sampled token's logprob: refused too
             raise ValueError("logprobs are not supported")
         return self
 
