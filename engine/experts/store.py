@@ -33,7 +33,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from flashserve.engine.weights.reader import ReadPool
+from flashserve.engine.weights.reader import ReadPool, WeightFileError, preadv_all
 
 log = logging.getLogger(__name__)
 
@@ -263,22 +263,16 @@ class ExpertStore:
         layout = self.layouts[layer]
         start = time.perf_counter()
         view = memoryview(target)
-        done = 0
         fd = self._fds[layer]
+        what = f"expert {expert} of layer {layer}"
         try:
-            while done < length:
-                n = os.preadv(fd, [view[done:]], offset + done)
-                if n == 0:
-                    raise ExpertReadError(
-                        f"expert {expert} of layer {layer}: {layout.file} ends at byte "
-                        f"{offset + done}, the record needs {offset}..{offset + length} "
-                        "(file truncated; prepare the model again)"
-                    )
-                done += n
-        except OSError as exc:
+            preadv_all(fd, [view], offset, Path(layout.file))
+        except WeightFileError as exc:
             raise ExpertReadError(
-                f"expert {expert} of layer {layer}: cannot read {layout.file}: {exc}"
-            ) from exc
+                f"{what}: {exc}; the record needs bytes {offset}..{offset + length}"
+            ) from None
+        except OSError as exc:
+            raise ExpertReadError(f"{what}: cannot read {layout.file}: {exc}") from exc
         if self.drop_page_cache:
             os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
         if self.verify and layout.crc32 is not None and zlib.crc32(view) != layout.crc32[expert]:

@@ -167,7 +167,9 @@ class Piece:
         return sum(len(t) for t in self.targets)
 
 
-def _preadv_all(fd: int, targets: list[memoryview], offset: int, path: Path) -> None:
+def preadv_all(fd: int, targets: list[memoryview], offset: int, path: Path) -> None:
+    """Fill `targets` from `fd` at `offset` (preadv until done; it releases the GIL).
+    WeightFileError when the file ends first; OSError as the system gives it."""
     views = list(targets)
     pos = offset
     while views:
@@ -263,7 +265,7 @@ class FileRead:
                 if self.future.done():  # failed elsewhere: stop reading
                     break
                 self._progress = time.monotonic()
-                _preadv_all(self._fd, piece.targets, piece.offset, self.path)
+                preadv_all(self._fd, piece.targets, piece.offset, self.path)
                 if piece.crc32 is not None:
                     crc = 0
                     for target in piece.targets:

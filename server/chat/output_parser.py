@@ -221,7 +221,7 @@ class OutputParser:
         return out
 
     def _unfinished(self, block: str) -> Parsed:
-        self._held_ws = "" if self.tool_calls else self._held_ws
+        self._held_ws = ""  # layout before the dropped call
         log.warning(
             "the output ended inside a %s tool call (%d characters); the unfinished call "
             "is dropped",

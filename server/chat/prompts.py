@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import jinja2
@@ -164,26 +164,30 @@ async def render_prompt(
                 "own field.",
                 f"chat_template_kwargs.{key}",
             )
-    job = functools.partial(
-        _render_and_encode, tokenizer, messages, tools, kwargs, client_template, limits, param
-    )
-    return await run_render_job(job, limits, param)
+    job = _RenderJob(tokenizer, messages, tools, kwargs, client_template, limits, param)
+    return await run_render_job(job.run, limits, param)
 
 
-def _render_and_encode(
-    tokenizer: Any,
-    messages: list[dict[str, Any]],
-    tools: list[dict[str, Any]] | None,
-    kwargs: dict[str, Any],
-    client_template: str | None,
-    limits: PromptLimits,
-    param: str,
-    deadline: float,
-) -> tuple[str, list[int]]:
-    """On a render thread: template -> text -> token ids."""
-    text = _render_text(
-        tokenizer, messages, tools, kwargs, client_template, limits, param, deadline
-    )
+@dataclass(frozen=True)
+class _RenderJob:
+    """One prompt to render and tokenize on a render thread."""
+
+    tokenizer: Any
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    kwargs: dict[str, Any]
+    client_template: str | None
+    limits: PromptLimits
+    param: str
+
+    def run(self, deadline: float) -> tuple[str, list[int]]:
+        """Template -> text -> token ids."""
+        return _render_and_encode(self, deadline)
+
+
+def _render_and_encode(job: _RenderJob, deadline: float) -> tuple[str, list[int]]:
+    tokenizer, limits, param = job.tokenizer, job.limits, job.param
+    text = _render_text(job, deadline)
     if not isinstance(text, str):
         raise invalid_request("The chat template did not render text.", param)
     if len(text) > limits.max_chars:
@@ -198,16 +202,9 @@ def _render_and_encode(
     return text, ids
 
 
-def _render_text(
-    tokenizer: Any,
-    messages: list[dict[str, Any]],
-    tools: list[dict[str, Any]] | None,
-    kwargs: dict[str, Any],
-    client_template: str | None,
-    limits: PromptLimits,
-    param: str,
-    deadline: float,
-) -> str:
+def _render_text(job: _RenderJob, deadline: float) -> str:
+    tokenizer, messages, tools, kwargs = job.tokenizer, job.messages, job.tools, job.kwargs
+    client_template, limits, param = job.client_template, job.limits, job.param
     hf = hf_tokenizer(tokenizer)
     if client_template is None and not getattr(tokenizer, "has_chat_template", False):
         return _plain_transcript(messages)
