@@ -4,13 +4,16 @@ The one place that composes the ways weights arrive: plain models come from
 weights/sources.py (GGUF, mlx-lm), a prepared directory from
 streaming/prepared.py (layer streaming, and the expert cache when asked).
 Quantized linears then take prompts through dequantize + BLAS
-(compute/prompt_matmul.py).
+(compute/prompt_matmul.py), and matmuls with few rows (decode steps, the LM
+head, experts) through flashserve's CPU kernel (compute/qmm.py).
 """
 
 from __future__ import annotations
 
 import logging
 
+from flashserve.engine.compute import qmm
+from flashserve.engine.compute.half_scales import float32_embeddings
 from flashserve.engine.compute.prompt_matmul import use_blas_for_prompts
 from flashserve.engine.config import EngineConfig
 from flashserve.engine.streaming.prepared import load_prepared
@@ -39,7 +42,22 @@ def load(config: EngineConfig) -> LoadedModel:
             path=target if not isinstance(target, str) else None,
             context_length=context_length_of(model_config),
         )
+    float32_embeddings(loaded.model)  # a prepared GGUF's float16 embedding scales
     changed = use_blas_for_prompts(loaded.model)
     if changed:
         log.debug("%d quantized linears run prompts as dequantize + BLAS matmul", changed)
+    # After use_blas_for_prompts: the fast classes wrap the prompt class, so
+    # prompt chunks still go to the BLAS and only the rest comes here.
+    try:
+        qmm.select(config.quantized_matmul)
+    except qmm.QmmError as exc:
+        raise ModelLoadError(str(exc)) from None
+    changed = qmm.use_fast_qmm(loaded.model)
+    if loaded.experts is not None:
+        # Offloaded experts compute through their original SwitchGLU (kept
+        # outside the model tree): the same kernel as a resident model's.
+        for info in loaded.experts.layers.values():
+            changed += qmm.use_fast_qmm(info.template)
+    if changed:
+        log.debug("%d quantized modules take few-row matmuls on flashserve's kernel", changed)
     return loaded

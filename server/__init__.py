@@ -9,8 +9,10 @@ Subpackages and modules, from the bottom up (each may import those above it):
               budget the context, stream as SSE.
 - `chat`      the dialect-neutral chat pipeline: internal request, prompt
               rendering, tools, reasoning, structured output, output events.
+- `fim`       fill-in-the-middle prompts (a model's FIM tokens), for any dialect.
 - `openai`    the OpenAI dialect: protocol (schemas) and one serving module per
               endpoint, translating into the chat pipeline and out of its events.
+- `anthropic`, `llamacpp`  the Anthropic Messages and llama.cpp (/infill) dialects.
 - `routes`    one FastAPI router per resource; thin.
 - `app`       create_app: the composition root.
 - `cli`       `flashserve` commands and the terminal chat.

@@ -17,7 +17,19 @@ from fastapi import FastAPI
 from flashserve.engine.generation.worker import Engine
 from flashserve.server.http.errors import install_error_handlers
 from flashserve.server.http.production import install_production
-from flashserve.server.routes import cache, chat, completions, health, memory, metrics, models
+from flashserve.server.routes import (
+    cache,
+    chat,
+    completions,
+    dashboard,
+    health,
+    infill,
+    memory,
+    messages,
+    metrics,
+    models,
+    responses,
+)
 from flashserve.server.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -42,8 +54,10 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
     app.state.engine = engine
     app.state.started_at = int(time.time())
     install_error_handlers(app)
-    for module in (health, models, chat, completions, memory, cache, metrics):
+    for module in (health, models, chat, completions, responses, messages, memory, cache, metrics):
         app.include_router(module.router)
+    app.include_router(infill.router)  # llama.cpp's /infill (fill-in-the-middle)
+    app.include_router(dashboard.router)  # GET /dashboard: the live page, and its files
     # API key, CORS, body limit, request ids, metrics, time limit, shutdown drain.
     install_production(app, settings, engine)
     # /metrics also serves what /cache/stats and /memory do, so they never disagree.

@@ -14,6 +14,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 
 from fastapi import Request
 
@@ -21,6 +22,7 @@ from flashserve.engine.generation.requests import (
     DoneEvent,
     ErrorEvent,
     GenerationRequest,
+    PromptLogprobsEvent,
     RequestHandle,
     TokenEvent,
 )
@@ -46,13 +48,15 @@ def completion_budget(
     default_max_tokens: int,
     prompt_param: str,
     max_tokens_param: str = "max_tokens",
+    clamp: bool = False,
 ) -> int:
     """max_tokens for the engine; 400 when prompt + completion cannot fit the context.
 
-    An explicit max_tokens must fit whole; without one, the default is capped to
-    what the context has left.
+    An explicit max_tokens must fit whole, unless `clamp` (the dialect reads it
+    as an upper bound: then it is cut to what the context has left); without
+    one, the default is capped the same way.
     """
-    if requested is not None:
+    if requested is not None and not clamp:
         if prompt_tokens + requested > context_length:
             raise invalid_request(
                 f"This model's maximum context length is {context_length} tokens. However, you "
@@ -72,37 +76,64 @@ def completion_budget(
             prompt_param,
             "context_length_exceeded",
         )
-    return min(default_max_tokens, remaining)
+    return min(default_max_tokens if requested is None else requested, remaining)
+
+
+@dataclass
+class Piece:
+    """New text of one choice, with the tokens whose logprobs go with it: those that
+    produced it, and those whose text was held back (an incomplete character, a
+    possible stop string) since the last piece. A choice's last piece has `done`."""
+
+    index: int  # the choice
+    text: str
+    tokens: list[TokenEvent] = field(default_factory=list)  # only when logprobs were asked
+    done: DoneEvent | None = None
+    prompt: PromptLogprobsEvent | None = None  # a piece of its own, before any text
 
 
 class Generation:
-    """One submitted generation, read as text pieces; `outcome` is set at the end."""
+    """One submitted generation, read as text pieces; `outcome` is set at the end
+    (`outcomes` per choice; `outcome` is the last choice's to end)."""
 
     def __init__(self, handle: RequestHandle):
         self.handle = handle
         self.outcome: DoneEvent | None = None
+        self.outcomes: dict[int, DoneEvent] = {}
 
     @property
     def request_id(self) -> str:
         return self.handle.request.request_id
 
     async def pieces(self) -> AsyncIterator[str]:
-        """Generated text as it comes (stop strings already cut by the engine).
-
-        Raises APIError when the generation fails or is cancelled.
+        """Generated text as it comes (stop strings already cut by the engine), for a
+        request of one choice. Raises APIError when the generation fails or is cancelled.
         """
+        async for piece in self.choice_pieces():
+            if piece.text:
+                yield piece.text
+
+    async def choice_pieces(self) -> AsyncIterator[Piece]:
+        """Every choice's pieces as they come (choices interleave), each choice's last
+        with `done`. Raises APIError when the generation fails or is cancelled."""
+        held: dict[int, list[TokenEvent]] = {}
         async for event in self.handle:
             if isinstance(event, TokenEvent):
+                tokens = held.setdefault(event.index, [])
+                if event.logprob is not None:
+                    tokens.append(event)
                 if event.text:
-                    yield event.text
+                    yield Piece(event.index, event.text, tokens[:])
+                    tokens.clear()
+            elif isinstance(event, PromptLogprobsEvent):
+                yield Piece(0, "", prompt=event)
             elif isinstance(event, DoneEvent):
-                if event.text:
-                    yield event.text
                 if event.finish_reason == "cancelled":
                     raise APIError(
                         503, "The generation was cancelled.", type=SERVER_ERROR, code="cancelled"
                     )
-                self.outcome = event
+                self.outcome = self.outcomes[event.index] = event
+                yield Piece(event.index, event.text, held.pop(event.index, []), done=event)
             elif isinstance(event, ErrorEvent):
                 raise APIError(
                     event.status,
@@ -148,8 +179,11 @@ async def cancel_on_disconnect(request: Request, generation: Generation) -> Asyn
         generation.cancel()  # no-op after a normal finish; stops the worker otherwise
 
 
-async def sse_events(generation: Generation, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
-    """SSE data lines of one streamed response: its chunks, then `[DONE]`.
+async def sse_events(
+    generation: Generation, chunks: AsyncIterator[str], done: bool = True
+) -> AsyncIterator[str]:
+    """SSE data lines of one streamed response: its chunks, then `[DONE]` (unless not
+    `done`: llama.cpp's /infill ends with its last chunk).
 
     A failure after the headers went out becomes an error object in the stream
     (the status can no longer change). sse-starlette cancels this generator
@@ -166,4 +200,5 @@ async def sse_events(generation: Generation, chunks: AsyncIterator[str]) -> Asyn
         yield APIError(500, f"{type(exc).__name__}: {exc}", type=SERVER_ERROR).body_json()
     finally:
         generation.cancel()
-    yield "[DONE]"
+    if done:
+        yield "[DONE]"

@@ -95,8 +95,21 @@ class Settings(BaseSettings):
         description="where they go; default ~/.cache/flashserve/prompt-cache (Linux), "
         "~/Library/Caches/flashserve/prompt-cache (macOS)",
     )
+    data_dir: str | None = Field(
+        None,
+        description="stored responses (/v1/responses store=true); default "
+        "~/.local/share/flashserve (Linux), ~/Library/Application Support/flashserve (macOS)",
+    )
+    response_store_max: int = Field(
+        10_000, ge=0, description="stored responses kept; the oldest go first; 0 stores none"
+    )
     blas: Literal["auto", "mkl", "reference"] = Field(
         "auto", description="Linux: BLAS for float matmuls; auto = mkl when installed"
+    )
+    quantized_matmul: Literal["auto", "fast", "mlx"] = Field(
+        "auto",
+        description="CPU: kernel for quantized matmuls with few rows (decode); "
+        "auto = flashserve's where it runs, else MLX's",
     )
 
     # Tools and reasoning

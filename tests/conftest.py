@@ -35,8 +35,10 @@ NO_EOS = {str(TINY_EOS): -100}
 
 @pytest.fixture(scope="session", autouse=True)
 def _private_prompt_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> None:
-    """Apps built in this process keep prompt-cache files out of the user's cache dir."""
+    """Apps built in this process keep prompt-cache files out of the user's cache dir,
+    and stored responses out of the user's data dir."""
     os.environ["FLASHSERVE_PROMPT_CACHE_DIR"] = str(tmp_path_factory.mktemp("prompt-cache"))
+    os.environ["FLASHSERVE_DATA_DIR"] = str(tmp_path_factory.mktemp("data"))
 
 
 def free_port() -> int:
@@ -108,6 +110,8 @@ def start_server(model: Path | str | None, workdir: Path, *args: str) -> Server:
         cmd += ["--prompt-cache-bytes", "0"]
     if "--prompt-cache-dir" not in args:
         cmd += ["--prompt-cache-dir", str(workdir / "prompt-cache")]  # never the user's
+    if "--data-dir" not in args:
+        cmd += ["--data-dir", str(workdir / "data")]  # stored responses: never the user's
     if model is not None:
         cmd += ["--model", str(model)]
     with open(log_path, "wb") as log:

@@ -393,7 +393,8 @@ ERROR_CASES = [
         "model",
         "model_not_found",
     ),
-    ("n=2", "POST", CHAT, {"messages": USER, "n": 2}, 400, "n", None),
+    # n above the server's max_batch (8 by default).
+    ("n=9", "POST", CHAT, {"messages": USER, "n": 9}, 400, "n", "invalid_value"),
     ("max_tokens 0", "POST", CHAT, {"messages": USER, "max_tokens": 0}, 400, "max_tokens", None),
     (
         "logit_bias id outside vocab",
@@ -431,7 +432,15 @@ ERROR_CASES = [
         "stop",
         "invalid_type",
     ),
-    ("logprobs", "POST", CHAT, {"messages": USER, "logprobs": True}, 400, "logprobs", None),
+    (
+        "top_logprobs without logprobs",
+        "POST",
+        CHAT,
+        {"messages": USER, "top_logprobs": 2},
+        400,
+        "top_logprobs",
+        "invalid_value",
+    ),
     (
         "prompt + max_tokens over context",
         "POST",
@@ -564,7 +573,7 @@ def test_edge_values_are_served_not_errors(llama_server: Server) -> None:
 def test_sdk_raises_the_matching_errors(llama_server: Server) -> None:
     client = llama_server.client()
     with pytest.raises(openai.BadRequestError) as info:
-        chat(client, n=2)
+        chat(client, n=9)  # above max_batch
     assert info.value.body["param"] == "n"
     with pytest.raises(openai.NotFoundError) as info:
         chat(client, model="gpt-4o")

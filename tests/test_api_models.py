@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import openai
 import pytest
 
 from flashserve.engine.weights.sources import default_model_path
@@ -58,3 +59,32 @@ def test_default_model_knows_the_capital_of_france(default_server: Server) -> No
     answer = response.choices[0].message.content
     assert "Paris" in answer, answer
     assert response.choices[0].finish_reason in ("stop", "length")
+
+
+def test_default_model_refuses_suffix_naming_the_missing_fim_tokens(
+    default_server: Server,
+) -> None:
+    """SmolLM2 has no fill-in-the-middle tokens: `suffix` is a 400 that says so."""
+    with pytest.raises(openai.BadRequestError) as err:
+        default_server.client().completions.create(
+            model=default_server.model_id, prompt="def f(", suffix="):\n", max_tokens=4
+        )
+    body = err.value.body
+    assert isinstance(body, dict) and body["param"] == "suffix"
+    assert "fim" in body["message"].lower(), body
+
+
+def test_default_model_completion_keeps_its_first_space(default_server: Server) -> None:
+    """A completion continues the prompt's text: the space before the next word is the
+    completion's (mlx-lm's streaming detokenizer drops it at the start of a text)."""
+    client = default_server.client()
+    kwargs = {"model": default_server.model_id, "prompt": "The capital of France is"}
+    whole = client.completions.create(max_tokens=3, temperature=0, **kwargs)
+    text = whole.choices[0].text
+    assert text.startswith(" "), repr(text)
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(max_tokens=3, temperature=0, stream=True, **kwargs)
+        if c.choices
+    )
+    assert streamed == text

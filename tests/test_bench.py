@@ -55,6 +55,8 @@ def test_quick_bench_prints_every_section(tmp_path: Path) -> None:
         "4",
         "--work-dir",
         str(tmp_path),
+        "--plot",
+        str(tmp_path / "plots"),
     ]
     started = time.monotonic()
     proc = subprocess.run(
@@ -177,3 +179,10 @@ def test_quick_bench_prints_every_section(tmp_path: Path) -> None:
     )
     assert len(cache_targets) == 4, proc.stdout
     assert re.search(r"last-turn memory hit reads \d+ MB of weights", proc.stdout)
+
+    # --plot: one PNG per figure, each a real picture (engine/bench/plots.py).
+    for name in ("residency.png", "expert_cache.png", "ttft.png", "batch.png"):
+        png = tmp_path / "plots" / name
+        assert f"plot: {png}" in proc.stdout
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert png.stat().st_size > 20_000, name

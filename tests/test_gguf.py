@@ -19,14 +19,14 @@ from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokeni
 
 from flashserve.engine.config import EngineConfig
 from flashserve.engine.loader import load
-from flashserve.engine.weights.gguf import import_gguf, load_gguf
-from flashserve.engine.weights.gguf_file import GGUFError
+from flashserve.engine.weights.gguf.container import GGUFError
+from flashserve.engine.weights.gguf.model import import_gguf, load_gguf
 from flashserve.engine.weights.model import ModelLoadError
 from flashserve.engine.weights.sources import default_model_path
 
 # --------------------------------------------------------------------------- GGUF writer
 
-GGML_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q8_0": 8}
+GGML_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "IQ4_NL": 20}
 
 
 def _string(text: str) -> bytes:
@@ -64,8 +64,8 @@ def quantize_block(x: np.ndarray, kind: str) -> tuple[bytes, np.ndarray]:
         return x.tobytes(), x
     if kind == "F16":
         return x.astype(np.float16).tobytes(), x.astype(np.float16).astype(np.float32)
-    if kind == "Q5_0":  # only its size matters: the loader must refuse it
-        return b"\0" * (22 * (x.size // 32)), x
+    if kind == "IQ4_NL":  # only its size matters: the loader must refuse it
+        return b"\0" * (18 * (x.size // 32)), x
     blocks = x.reshape(-1, 32)
     n = len(blocks)
     if kind == "Q8_0":
@@ -255,17 +255,23 @@ def write_tiny_llama(
 
 
 def reference_model(config: dict, decoded: dict[str, np.ndarray]):
-    """A float32 mlx-lm llama holding the dequantized values, unquantized."""
+    """A float32 mlx-lm llama holding the dequantized values as stored, unquantized.
+
+    The q/k rows stay as llama.cpp permuted them and RoPE rotates adjacent
+    pairs (traditional): the same model as the loader's un-permuted rows
+    under mlx-lm's default RoPE.
+    """
     from mlx_lm.models import llama
 
-    from flashserve.engine.weights.gguf import rename_weights
+    from flashserve.engine.weights.gguf.arch import ARCHITECTURES, mlx_name
 
     args = {k: v for k, v in config.items() if k != "quantization"}
-    model = llama.Model(llama.ModelArgs.from_dict(args))
-    weights = rename_weights(
-        {k: mx.array(v) for k, v in decoded.items()}, config["num_hidden_layers"]
-    )
-    model.load_weights(list(weights.items()), strict=True)
+    model = llama.Model(llama.ModelArgs.from_dict({**args, "rope_traditional": True}))
+    layers = config["num_hidden_layers"]
+    weights = [
+        (mlx_name(ARCHITECTURES["llama"], k, layers), mx.array(v)) for k, v in decoded.items()
+    ]
+    model.load_weights(weights, strict=True)
     return model
 
 
@@ -309,7 +315,8 @@ def test_default_model_tokenizer_and_template(smollm):
     assert tokenizer.decode(tokenizer.encode("Hello, world! 123")) == "Hello, world! 123"
     assert isinstance(tokenizer.detokenizer, BPEStreamingDetokenizer)
     assert 2 in tokenizer.eos_token_ids  # <|im_end|>
-    assert config["rope_traditional"] is True and config["tie_word_embeddings"] is True
+    # llama.cpp's q/k permutation is undone: mlx-lm's default RoPE, as in the HF checkpoint
+    assert "rope_traditional" not in config and config["tie_word_embeddings"] is True
     assert config["max_position_embeddings"] == 8192 and config["model_type"] == "llama"
 
 
@@ -322,7 +329,8 @@ def test_default_model_mixed_bit_widths(smollm):
     assert model.model.layers[0].self_attn.q_proj.bits == 4
     assert model.model.layers[29].mlp.down_proj.bits == 4
     if mx.default_device() == mx.cpu:
-        assert model.model.embed_tokens.scales.dtype == mx.float32
+        # Q8_0/Q4_1 scales are exact in float16, the file's own precision; floats compute in 32
+        assert model.model.embed_tokens.scales.dtype == mx.float16
         assert model.model.layers[0].input_layernorm.weight.dtype == mx.float32
 
 
@@ -459,23 +467,70 @@ def test_truncated_file(tmp_path):
     write_tiny_llama(path, gpt2_vocab())
     data = path.read_bytes()
     (tmp_path / "cut_data.gguf").write_bytes(data[: len(data) - 1000])
-    _one_line_error(tmp_path / "cut_data.gguf", "cannot read GGUF")
+    _one_line_error(tmp_path / "cut_data.gguf", "truncated GGUF: tensor .* ends past the end")
     (tmp_path / "cut_header.gguf").write_bytes(data[:200])
     _one_line_error(tmp_path / "cut_header.gguf", "corrupt or truncated")
 
 
 def test_unsupported_architecture_and_tensor_type(tmp_path):
-    path = tmp_path / "qwen.gguf"
-    write_tiny_llama(path, gpt2_vocab(), arch="qwen2")
-    _one_line_error(path, "architecture 'qwen2' is not supported")
+    path = tmp_path / "phi.gguf"
+    write_tiny_llama(path, gpt2_vocab(), arch="phi2")
+    _one_line_error(path, "architecture 'phi2' is not supported")
 
-    path = tmp_path / "q5.gguf"
-    kinds = [dict(LAYER_KINDS[1], ffn_up="Q5_0")]
+    path = tmp_path / "iq4.gguf"
+    kinds = [dict(LAYER_KINDS[1], ffn_up="IQ4_NL")]
     write_tiny_llama(path, gpt2_vocab(), kinds=kinds)
-    _one_line_error(path, "blk.0.ffn_up.weight has type Q5_0")
+    _one_line_error(path, "blk.0.ffn_up.weight has type IQ4_NL, which is not supported")
 
     path = tmp_path / "bert.gguf"
     write_tiny_llama(
         path, dict(gpt2_vocab(), **{"tokenizer.ggml.model": "bert"}), kinds=LAYER_KINDS[1:]
     )
     _one_line_error(path, "tokenizer model 'bert' is not supported")
+
+
+def test_float16_scales_keep_prompts_and_embeddings_exact(smollm):
+    # The file's Q4_1/Q8_0 scales stay float16 (exact); the prompt path the loader
+    # installs (dequantize + BLAS) and the embedding must compute with float32 values.
+    from mlx import nn
+
+    from flashserve.engine.compute.prompt_matmul import use_blas_for_prompts
+
+    model, tokenizer, _ = smollm
+    tokens = mx.array([tokenizer.encode("The capital of France is Paris, of course.")])
+    rows = model.model.embed_tokens
+    exact = mx.dequantize(
+        rows.weight[tokens],
+        rows.scales[tokens].astype(mx.float32),
+        rows.biases[tokens].astype(mx.float32),
+        group_size=32,
+        bits=8,
+    )
+    if mx.default_device() == mx.cpu:  # on a GPU float16 is the compute dtype
+        assert mx.array_equal(rows(tokens), exact).item()
+    want = np.array(model(tokens))  # MLX's quantized kernel, row by row
+    changed = use_blas_for_prompts(model)
+    try:
+        got = np.array(model(tokens))  # dequantize + BLAS on the CPU
+    finally:
+        for _, module in model.named_modules():
+            if isinstance(module, nn.QuantizedLinear):
+                module.__class__ = nn.QuantizedLinear
+    assert changed == (210 if mx.default_device() == mx.cpu else 0)
+    np.testing.assert_allclose(got, want, atol=1e-3 * np.abs(want).max())
+
+
+@pytest.mark.parametrize(
+    ("pre", "words"),
+    [
+        ("llama-bpe", ["HelloWorld", "Ġ", "123", "4", "Ġfoo", "/bar"]),  # digits in threes
+        ("qwen2", ["HelloWorld", "Ġ", "1", "2", "3", "4", "Ġfoo", "/bar"]),  # single digits
+        ("tekken", ["Hello", "World", "Ġ", "1", "2", "3", "4", "Ġfoo", "/bar"]),  # case splits
+        ("gpt2", ["HelloWorld", "Ġ1234", "Ġfoo", "/", "bar"]),
+    ],
+)
+def test_byte_level_pre_tokenizers(pre, words):
+    from flashserve.engine.weights.gguf.tokenizer import _byte_level_pre_tokenizer
+
+    split = _byte_level_pre_tokenizer(pre).pre_tokenize_str("HelloWorld 1234 foo/bar")
+    assert [w for w, _ in split] == words

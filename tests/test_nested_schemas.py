@@ -263,14 +263,14 @@ def test_a_cut_off_call_never_leaks_markup(qwen3: Server, qwen3_dir: Path) -> No
 
 def test_strict_types_where_the_schema_promises_them(qwen3: Server) -> None:
     """JSON booleans are not integers: `top_logprobs: false` and a prompt `[[false]]`
-    were read as 0. `logprobs: 0` was dropped while 2 was refused; an empty prompt is
+    were read as 0 (and `logprobs: true` is no count of logprobs); an empty prompt is
     refused and the published schema says so."""
     http = qwen3.http()
     chat = {"model": qwen3.model_id, "messages": [{"role": "user", "content": "x"}]}
     response = http.post("/v1/chat/completions", json={**chat, "top_logprobs": False})
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == "top_logprobs"
-    for bad in ({"prompt": [[False]]}, {"prompt": [True, 1]}, {"prompt": ""}, {"logprobs": 0}):
+    for bad in ({"prompt": [[False]]}, {"prompt": [True, 1]}, {"prompt": ""}, {"logprobs": True}):
         body = {"model": qwen3.model_id, "prompt": "x", "max_tokens": 1, **bad}
         response = http.post("/v1/completions", json=body)
         assert response.status_code == 400, (bad, response.text)

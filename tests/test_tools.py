@@ -266,14 +266,16 @@ def test_named_tool_choice_calls_that_tool(qwen3: Server) -> None:
 @pytest.mark.parametrize(
     "text",
     [
-        '<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>',
         hermes_call("launch_rockets", {"count": 3}),
+        '<tool_call>\n{"function": "get_weather", "city": "Paris"}\n</tool_call>',
     ],
-    ids=["bad-json", "unknown-function"],
+    ids=["unknown-function", "no-name"],
 )
 def test_malformed_tool_output_comes_back_as_content(
     qwen3: Server, text: str, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """A block that never named an offered function was never announced as a call:
+    it is the model's text, returned as content."""
     with caplog.at_level(logging.WARNING, logger="flashserve.server.chat.output_parser"):
         response = ask(qwen3, tools=TOOLS, **script(text))
         final, _ = ask_streaming(qwen3, tools=TOOLS, **script(text))
@@ -282,6 +284,59 @@ def test_malformed_tool_output_comes_back_as_content(
         assert not message.tool_calls
     assert response.choices[0].finish_reason == "stop"
     assert any("malformed" in r.getMessage() for r in caplog.records)
+
+
+def test_tool_call_arguments_stream_as_the_model_writes_them(qwen3: Server) -> None:
+    """The call is announced once its name is complete, and its arguments arrive in
+    many fragments, the first long before the call's end marker; joined, they are
+    the arguments the non-streamed response returns."""
+    args = {"city": "Paris", "unit": "celsius", "note": 'a {braced} "quoted" value'}
+    text = "Let me check.\n" + hermes_call("get_weather", args) + "\n"
+    response = ask(qwen3, tools=TOOLS, **script(text))
+    final, chunks = ask_streaming(qwen3, tools=TOOLS, **script(text))
+    pieces = [
+        call.function.arguments
+        for chunk in chunks
+        for choice in chunk.choices
+        for call in choice.delta.tool_calls or []
+        if call.function and call.function.arguments
+    ]
+    assert len(pieces) > 5, pieces
+    assert json.loads("".join(pieces)) == args
+    first = next(
+        i for i, chunk in enumerate(chunks) if chunk.choices and chunk.choices[0].delta.tool_calls
+    )
+    assert chunks[first].choices[0].delta.tool_calls[0].function.name == "get_weather"
+    assert not chunks[first].choices[0].delta.tool_calls[0].function.arguments
+    for message in (response.choices[0].message, final.choices[0].message):
+        assert message.content == "Let me check."
+        assert calls_of(message) == [("get_weather", args)]
+    assert (
+        final.choices[0].message.tool_calls[0].function.arguments
+        == response.choices[0].message.tool_calls[0].function.arguments
+    )
+
+
+def test_a_streamed_call_that_turns_out_malformed_is_dropped(
+    qwen3: Server, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Announced (its name was complete), then malformed: a stream has already sent
+    the name and the arguments up to the error and sends nothing more for it; the
+    non-streamed response leaves the call out. Neither puts the markup in content."""
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>'
+    with caplog.at_level(logging.WARNING, logger="flashserve.server.chat.output_parser"):
+        response = ask(qwen3, tools=TOOLS, **script(text))
+        _, chunks = ask_streaming(qwen3, tools=TOOLS, **script(text))
+    message = response.choices[0].message
+    assert (message.content or "", message.tool_calls) == ("", None)
+    assert response.choices[0].finish_reason == "stop"
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(d.content or "" for d in deltas) == ""
+    sent = [call for d in deltas for call in d.tool_calls or []]
+    assert sent[0].function.name == "get_weather"
+    assert "".join(call.function.arguments or "" for call in sent) == '{"city": }'
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert any("dropped" in r.getMessage() for r in caplog.records)
 
 
 def test_bad_tool_requests_are_400_error_objects(qwen3: Server) -> None:
@@ -598,3 +653,35 @@ def test_constraints_that_cannot_be_enforced_are_never_dropped(qwen3: Server) ->
             assert stream, response.text
             assert '"error"' in response.text, response.text
             assert 'finish_reason":"stop' not in response.text
+
+
+def test_parallel_tool_calls_false_keeps_one_call_under_auto(qwen3: Server) -> None:
+    """With tool_choice auto nothing constrains the model, so a second call it writes
+    is read and left out (never announced, never content), streamed or not."""
+    text = hermes_call("get_weather", PARIS) + "\n" + hermes_call("get_weather", {"city": "Rome"})
+    for parallel, expected in ((False, [("get_weather", PARIS)]), (True, None)):
+        response = ask(qwen3, tools=TOOLS, parallel_tool_calls=parallel, **script(text))
+        final, chunks = ask_streaming(
+            qwen3, tools=TOOLS, parallel_tool_calls=parallel, **script(text)
+        )
+        for message in (response.choices[0].message, final.choices[0].message):
+            assert not message.content, message
+            calls = calls_of(message)
+            assert calls == (
+                expected or [("get_weather", PARIS), ("get_weather", {"city": "Rome"})]
+            )
+        announced = [
+            call.function.name
+            for chunk in chunks
+            for choice in chunk.choices
+            for call in choice.delta.tool_calls or []
+            if call.function and call.function.name
+        ]
+        assert len(announced) == (1 if not parallel else 2)
+        assert response.choices[0].finish_reason == "tool_calls"
+
+
+def test_text_after_a_dropped_call_has_no_leading_layout(qwen3: Server) -> None:
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>\nafter'
+    response = ask(qwen3, tools=TOOLS, **script(text))
+    assert response.choices[0].message.content == "after"

@@ -193,7 +193,9 @@ def test_stalled_layer_read_fails_the_request_and_the_server_stays_responsive(pr
             message = response.json()["error"]["message"]
             assert "layers/layer_0003.safetensors" in message and "stalled" in message
             took.append(result["seconds"])
-            assert slowest < 0.5
+            # A loop blocked on the stalled read would take io_timeout (1 s); a loaded
+            # 2-core machine (CI beside other jobs) answers in up to ~0.5 s.
+            assert slowest < 0.9
         # The first waits out io_timeout; the second fails at once (the first read
         # is still stuck: no second thread is spent on the same file).
         assert 1.0 <= took[0] < 6.0 and took[1] < 1.0, took

@@ -45,7 +45,8 @@ BATCH_MOE_MODEL = {
 }
 
 
-def run(work_dir: Path, *, tokens: int, quick: bool) -> None:
+def run(work_dir: Path, *, tokens: int, quick: bool) -> dict:
+    """Run the batch section; print its table and targets; return its rows."""
     tiny = {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2}
     dense = (
         dict(BATCH_MODEL, **tiny, intermediate_size=512, num_hidden_layers=4)
@@ -148,3 +149,9 @@ def run(work_dir: Path, *, tokens: int, quick: bool) -> None:
             "  (the reference BLAS costs the same per row at any batch size, so compute grows "
             "with the batch; install mkl: pip install mkl)"
         )
+    return {
+        "rows": [
+            {"configuration": name, "streams": streams, "tokens_per_s": result.tokens_per_s}
+            for (name, streams), result in best.items()
+        ]
+    }

@@ -443,6 +443,7 @@ def run(work_dir: Path, *, tokens: int = 32, quick: bool = False) -> dict:
             "rows": [
                 {
                     "name": r.name,
+                    "residency": r.residency,
                     "prefetch": r.prefetch,
                     "resident_layers": r.resident_layers,
                     "tokens_per_s": r.tokens_per_s,

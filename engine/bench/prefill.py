@@ -65,12 +65,13 @@ def _set_path(model: nn.Module, blas_path: bool) -> None:
         use_blas_for_prompts(model)
 
 
-def run(work_dir: Path, *, quick: bool = False) -> None:
+def run(work_dir: Path, *, quick: bool = False) -> dict:
+    """Both prefill tables; returns the from-disk TTFT rows (`offload`) and kernel rows."""
     from flashserve.engine.bench import prefill_offload
     from flashserve.engine.bench.common import bench_model, print_table
     from flashserve.engine.loader import load
 
-    prefill_offload.run(work_dir, quick=quick)
+    offload = prefill_offload.run(work_dir, quick=quick)
 
     lengths = (16, 64) if quick else (32, 128, 512)
     repeats = 1 if quick else 3
@@ -115,3 +116,5 @@ def run(work_dir: Path, *, quick: bool = False) -> None:
         ["model", "prompt tokens", "kernel tok/s", "dequantize + BLAS tok/s", "speed-up"],
         rows,
     )
+    keys = ("model", "prompt_tokens", "kernel_tokens_per_s", "blas_tokens_per_s", "speed_up")
+    return {"offload": offload, "kernel": [dict(zip(keys, r, strict=True)) for r in rows]}

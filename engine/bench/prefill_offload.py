@@ -155,8 +155,8 @@ def _hit_rates(engine: Engine, long_prompt: list[int], tokens: int) -> tuple[flo
     return before, decode_hit_rate()
 
 
-def run(work_dir: Path, *, quick: bool = False) -> None:
-    """The offloaded-prefill tables (see the module doc)."""
+def run(work_dir: Path, *, quick: bool = False) -> list[dict]:
+    """The offloaded-prefill tables (see the module doc); returns the TTFT rows."""
     lengths = QUICK_LENGTHS if quick else LENGTHS
     step = 32 if quick else 512
     speed_of = parallel_read_speed
@@ -279,3 +279,5 @@ def run(work_dir: Path, *, quick: bool = False) -> None:
     for name, value, target, sense in targets:
         met = value <= target if sense == "<=" else value >= target
         print(f"  {name}: {value:.2f}x (target {sense} {target}x) {'met' if met else 'MISSED'}")
+    keys = ("model", "prompt_tokens", "resident_s", "layer_major_s", "chunked_s")
+    return [dict(zip(keys, (r[0], r[1], r[2], r[5], r[8]), strict=True)) for r in rows]

@@ -145,7 +145,8 @@ def _run_config(
     return out
 
 
-def run(work_dir: Path, *, quick: bool) -> None:
+def run(work_dir: Path, *, quick: bool) -> list[dict]:
+    """Run the prompt-cache section; print its table and targets; return its rows."""
     model = QUICK_MODEL if quick else MODEL
     turns, turn_tokens = (QUICK_TURNS, QUICK_TURN_TOKENS) if quick else (TURNS, TURN_TOKENS)
     source, prepared = bench_model(
@@ -223,3 +224,17 @@ def run(work_dir: Path, *, quick: bool) -> None:
         f"prefilling {turn_tokens} new tokens reads {new_only / 1e6:.0f} MB "
         f"(target: no more) {verdict}"
     )
+    return [
+        {
+            "residency": name,
+            "turn": n,
+            "prompt_tokens": cold.prompt_tokens,
+            "cold_s": cold.ttft_s,
+            "memory_hit_s": memory.ttft_s,
+            "disk_hit_s": disk.ttft_s,
+        }
+        for name, modes in results.items()
+        for n, (cold, memory, disk) in enumerate(
+            zip(modes["cold"], modes["memory"], modes["disk"], strict=True), start=1
+        )
+    ]

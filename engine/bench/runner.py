@@ -7,6 +7,10 @@ Sections (all by default):
   prefill  prompt tokens/s of quantized models: MLX's kernel vs dequantize + BLAS
   prompt-cache  time to first token of an 8-turn conversation: cold, memory hit,
            disk hit after a restart, at 100% and 0% residency
+  decode   the default model's decode tokens/s at 1, 4, 8 streams: flashserve's
+           CPU quantized matmul vs MLX's kernel (and llama.cpp when installed)
+
+--plot DIR draws the numbers as PNGs in DIR (plots.py; needs matplotlib).
 
 Models are random-weight models of real architectures, written once under
 --work-dir and prepared for streaming. The page cache is dropped before every
@@ -18,8 +22,9 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
-from flashserve.engine.bench import batch, experts, layers, prefill, prompt_cache
+from flashserve.engine.bench import batch, decode, experts, layers, plots, prefill, prompt_cache
 from flashserve.engine.bench.common import DEFAULT_WORK_DIR
 from flashserve.engine.compute import blas
 
@@ -32,8 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--sections",
-        default="layers,experts,batch,prefill,prompt-cache",
-        help="comma list of: layers, experts, batch, prefill, prompt-cache",
+        default="layers,experts,batch,prefill,prompt-cache,decode",
+        help="comma list of: layers, experts, batch, prefill, prompt-cache, decode",
     )
     parser.add_argument(
         "--work-dir",
@@ -43,21 +48,32 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--tokens", type=int, default=32, help="tokens generated per stream")
     parser.add_argument("--quick", action="store_true", help="small models, for a smoke run")
+    parser.add_argument(
+        "--plot", type=Path, metavar="DIR", help="also write the results as PNGs into DIR"
+    )
     args = parser.parse_args(argv)
+    if args.plot is not None and (missing := plots.check()):
+        parser.error(missing)  # before any section runs, not after
     args.work_dir.mkdir(parents=True, exist_ok=True)
     print(f"float matmuls on the {blas.describe()} BLAS")
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    results: dict[str, Any] = {}
     for section in sections:
         if section == "layers":
-            layers.run(args.work_dir, tokens=args.tokens, quick=args.quick)
+            results[section] = layers.run(args.work_dir, tokens=args.tokens, quick=args.quick)
         elif section == "experts":
-            experts.run(args.work_dir, tokens=args.tokens, quick=args.quick)
+            results[section] = experts.run(args.work_dir, tokens=args.tokens, quick=args.quick)
         elif section == "batch":
-            batch.run(args.work_dir, tokens=args.tokens, quick=args.quick)
+            results[section] = batch.run(args.work_dir, tokens=args.tokens, quick=args.quick)
         elif section == "prefill":
-            prefill.run(args.work_dir, quick=args.quick)
+            results[section] = prefill.run(args.work_dir, quick=args.quick)
         elif section == "prompt-cache":
-            prompt_cache.run(args.work_dir, quick=args.quick)
+            results[section] = prompt_cache.run(args.work_dir, quick=args.quick)
+        elif section == "decode":
+            results[section] = decode.run(args.work_dir, tokens=args.tokens, quick=args.quick)
         else:
             parser.error(f"unknown section {section!r}")
+    if args.plot is not None:
+        for path in plots.write(args.plot, results):
+            print(f"plot: {path}")
     return 0

@@ -3,4 +3,8 @@
 - `blas`           which BLAS serves MLX's float matmuls on Linux (MKL or the
                    bundled reference); must be chosen before MLX is imported.
 - `prompt_matmul`  quantized linears take prompt chunks as dequantize + BLAS.
+- `qmm`            quantized matmuls with few rows on flashserve's CPU kernel
+                   (csrc/, the compiled `_qmm`), MLX's kernel where it cannot run.
+- `half_scales`    quantized embeddings with float16 scales give float32 rows
+                   (a GGUF's exact float16 scales under float32 compute).
 """

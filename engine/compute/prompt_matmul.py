@@ -40,10 +40,12 @@ class PromptQuantizedLinear(nn.QuantizedLinear):
         outputs = []
         for start in range(0, rows, step):
             part = slice(start, start + step)
+            # In x's dtype: dequantize computes in the scales' dtype, and a GGUF's
+            # float16 scales (compute/half_scales.py) would round every weight.
             dense = mx.dequantize(
                 weight[part],
-                scales[part],
-                None if biases is None else biases[part],
+                scales[part].astype(x.dtype),
+                None if biases is None else biases[part].astype(x.dtype),
                 group_size=self.group_size,
                 bits=self.bits,
                 mode=self.mode,

@@ -47,12 +47,38 @@ class GenerationRequest:
     # Start from the longest cached prefix and store this prompt's state
     # (when the engine has a prompt cache).
     use_prompt_cache: bool = True
+    # The output continues the prompt's text (completions, fill-in-the-middle), so
+    # its first space is text; after a chat turn's header it is the tokenizer's.
+    continuation: bool = False
+    n: int = 1  # choices: decoded together in the batch after one shared prefill
+    # None: no logprobs. k >= 0: each TokenEvent carries the sampled token's logprob
+    # and the k most likely tokens' (generation/logprobs.py says which distribution).
+    logprobs: int | None = None
+    # None: none. k >= 0: one PromptLogprobsEvent before the first token. Every
+    # position must be computed, so such a request does not read the prompt cache.
+    prompt_logprobs: int | None = None
+    # Fresh processors for choice i (called once per choice); without it every
+    # choice shares `logits_processors`, which is right only when they hold no state.
+    processor_factory: Callable[[int], list[LogitsProcessor]] | None = None
 
 
 @dataclass
 class TokenEvent:
     token: int
     text: str  # new text since the previous event (may be "" while held back)
+    index: int = 0  # the choice
+    logprob: float | None = None  # when the request asked for logprobs
+    # (token id, logprob), most likely first; tokens a constraint forbids are left out.
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+@dataclass
+class PromptLogprobsEvent:
+    """The prompt's tokens and their logprobs (the first has none: nothing precedes it)."""
+
+    tokens: list[int]
+    logprobs: list[float | None]
+    top_logprobs: list[list[tuple[int, float]] | None]
 
 
 @dataclass
@@ -62,6 +88,8 @@ class DoneEvent:
     completion_tokens: int
     text: str = ""  # text released at the end (held back for stop matching)
     cached_tokens: int = 0  # prompt tokens restored from the prompt cache, not prefilled
+    stop_sequence: str | None = None  # the request's stop string that ended it, if one did
+    index: int = 0  # the choice that ended (prompt_tokens and cached_tokens are the request's)
 
 
 @dataclass
@@ -73,7 +101,18 @@ class ErrorEvent:
     param: str | None = None
 
 
-Event = TokenEvent | DoneEvent | ErrorEvent
+class InvalidRequest(ValueError):
+    """A request the engine cannot serve as asked: its error is a 400 naming `param`."""
+
+    status = 400
+    code: str | None = None
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+Event = TokenEvent | DoneEvent | ErrorEvent | PromptLogprobsEvent
 
 
 def error_event(exc: BaseException | None) -> ErrorEvent:
@@ -114,6 +153,9 @@ class RequestHandle:
         self.started = False  # set by the worker when it takes the request
         self._on_release = on_release
         self._release_lock = threading.Lock()
+        # Choices still running, counted by the worker thread (a request ends with
+        # its last choice's DoneEvent, or its first ErrorEvent).
+        self._open_choices = request.n
 
     def release(self) -> None:
         """Give the admission slot back (idempotent)."""
@@ -130,7 +172,11 @@ class RequestHandle:
 
     def push(self, event: Event) -> None:
         """Called from the worker thread."""
-        if not isinstance(event, TokenEvent):
+        if isinstance(event, DoneEvent):
+            self._open_choices -= 1
+        if isinstance(event, ErrorEvent) or (
+            isinstance(event, DoneEvent) and self._open_choices <= 0
+        ):
             self.release()
         try:
             self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
@@ -139,10 +185,13 @@ class RequestHandle:
             self.cancelled = True
 
     async def events(self) -> AsyncIterator[Event]:
+        open_choices = self.request.n
         while True:
             event = await self._queue.get()
             yield event
-            if not isinstance(event, TokenEvent):
+            if isinstance(event, DoneEvent):
+                open_choices -= 1
+            if isinstance(event, ErrorEvent) or open_choices <= 0:
                 return
 
     def __aiter__(self) -> AsyncIterator[Event]:

@@ -31,11 +31,14 @@ Sampler = Callable[[mx.array], mx.array]
 GREEDY_BELOW = 1e-4
 
 
-def make_request_sampler(params: SamplingParams) -> Sampler:
+def make_request_sampler(params: SamplingParams, choice: int = 0) -> Sampler:
+    """The sampler of a request's choice `choice`: a given seed is offset by the
+    choice, so each choice has its own stream and the same request repeats them."""
     if params.temperature < GREEDY_BELOW:
         # The shared greedy sampler lets BatchGenerator sample a batch in one call.
         return greedy_sampler
-    key = mx.random.key(params.seed if params.seed is not None else secrets.randbits(63))
+    seed = params.seed + choice if params.seed is not None else secrets.randbits(63)
+    key = mx.random.key(seed)
     filters: list[Callable[[mx.array], mx.array]] = []
     if 0 < params.top_p < 1:
         filters.append(lambda x: apply_top_p(x, params.top_p))
@@ -93,12 +96,13 @@ def make_request_processors(
 
 def sample_first(
     logits: mx.array, prompt: list[int], sampler: Sampler, processors: GuardedProcessors | None
-) -> int:
+) -> tuple[int, mx.array]:
     """The first new token from the prompt's last logits, sampled the way mlx-lm's
     BatchGenerator samples every token: processors over the whole context, log-softmax,
-    sampler. Layer-major prefill hands these logits over (generation/prefill.py)."""
+    sampler; with the log-softmaxed row it was drawn from. A prefill outside the
+    batch (generation/prefill.py, shared_prefill.py) hands these logits over."""
     logits = logits.reshape(1, -1)
     if processors is not None:
         logits = processors(mx.array(prompt, dtype=mx.int32), logits)
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    return int(sampler(logprobs).item())
+    return int(sampler(logprobs).item()), logprobs

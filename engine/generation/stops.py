@@ -13,14 +13,16 @@ class StopMatcher:
         self.stops = [s for s in stops if s]
         self._held = ""
         self.hit = False
+        self.matched: str | None = None  # which stop string ended the text, once hit
 
     def feed(self, piece: str) -> str:
         """Add newly decoded text; return what is safe to emit now."""
         if self.hit or not self.stops:
             return "" if self.hit else piece
         text = self._held + piece
-        cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
+        found = [(i, s) for s in self.stops if (i := text.find(s)) >= 0]
+        if found:
+            cut, self.matched = min(found, key=lambda hit: hit[0])
             self.hit = True
             self._held = ""
             return text[:cut]

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import copy
 import logging
 import queue
 import threading
-import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from flashserve.engine.compute import blas
 from flashserve.engine.config import EngineConfig
 from flashserve.engine.generation import prompt_disk
+from flashserve.engine.generation.choices import Choice, Start, keep_first_space
 from flashserve.engine.generation.prefill import (
     LayerMajorPrefill,
     LayerMajorUnsupported,
@@ -36,8 +37,8 @@ from flashserve.engine.generation.requests import (
     DoneEvent,
     ErrorEvent,
     GenerationRequest,
+    InvalidRequest,
     RequestHandle,
-    TokenEvent,
     error_event,
 )
 from flashserve.engine.generation.sampling import (
@@ -45,6 +46,16 @@ from flashserve.engine.generation.sampling import (
     make_request_processors,
     make_request_sampler,
     sample_first,
+)
+from flashserve.engine.generation.shared_prefill import (
+    PrefillCancelled,
+    PromptScores,
+    prefill_alone,
+)
+from flashserve.engine.generation.stats import (
+    BATCH_SIZE_BUCKETS,
+    WorkerStats,
+    weight_bytes_read,
 )
 from flashserve.engine.generation.stops import StopMatcher
 from flashserve.engine.loader import load
@@ -72,30 +83,6 @@ class QueueFullError(Exception):
 
 class EngineNotReadyError(Exception):
     pass
-
-
-BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # max_batch is at most 256
-
-
-@dataclass
-class WorkerStats:
-    requests_total: int = 0
-    requests_failed: int = 0
-    requests_cancelled: int = 0
-    prompt_tokens_total: int = 0
-    completion_tokens_total: int = 0
-    queued: int = 0
-    active: int = 0  # requests in the batch now
-    batch_size: int = 0  # sequences in the last decode step
-    steps: int = 0  # decode steps since start
-    batch_size_sum: int = 0  # sequences over all decode steps (their mean: sum / steps)
-    # Decode steps by batch size, one count per BATCH_SIZE_BUCKETS upper bound (not
-    # cumulative): /metrics serves it as a histogram.
-    batch_size_steps: list[int] = field(default_factory=lambda: [0] * len(BATCH_SIZE_BUCKETS))
-    kv_cache_bytes: int = 0  # KV cache and recurrent state of the batch
-    last_step_read_bytes: int = 0  # weights read from disk by the last step, for the batch
-    last_prefill_tokens_per_s: float = 0.0
-    last_decode_tokens_per_s: float = 0.0
 
 
 class Engine:
@@ -245,7 +232,7 @@ class Engine:
     def _loop(self) -> None:
         """Continuous batching: admit, step the whole batch once, dispatch tokens."""
         batch = self._new_batch()
-        active: dict[int, _Active] = {}
+        active: dict[int, Choice] = {}
         while True:
             if not self._admit(batch, active, block=not active):
                 break
@@ -260,7 +247,7 @@ class Engine:
         for uid in list(active):
             self._finish(active, uid, "cancelled")
 
-    def _step(self, batch: BatchGenerator, active: dict[int, _Active]) -> None:
+    def _step(self, batch: BatchGenerator, active: dict[int, Choice]) -> None:
         for uid in [u for u, a in active.items() if a.handle.cancelled]:
             batch.remove([uid])
             self._finish(active, uid, "cancelled")
@@ -283,11 +270,13 @@ class Engine:
         if self.stats.steps % MEMORY_CHECK_INTERVAL == 0:
             self._check_memory()
 
-    def _admit(self, batch: BatchGenerator, active: dict[int, _Active], block: bool) -> bool:
+    def _admit(self, batch: BatchGenerator, active: dict[int, Choice], block: bool) -> bool:
         """Move waiting requests into the batch while slots are free; False on shutdown."""
         handles: list[RequestHandle] = []
         running = True
-        while len(active) + len(handles) < self.config.max_batch:
+        # A request takes one slot per choice; one with more choices than the slots
+        # left still comes in whole (the batch runs over max_batch by fewer than n).
+        while len(active) + sum(h.request.n for h in handles) < self.config.max_batch:
             try:
                 handle = self._queue.get() if block else self._queue.get_nowait()
             except queue.Empty:
@@ -298,8 +287,7 @@ class Engine:
                 break
             handle.started = True
             if handle.cancelled:
-                self.stats.requests_cancelled += 1
-                handle.push(DoneEvent("cancelled", len(handle.request.prompt_tokens), 0))
+                self._cancel_waiting(handle)
                 continue
             handles.append(handle)
         starts = [s for s in (self._prepare(h) for h in handles) if s is not None]
@@ -314,32 +302,55 @@ class Engine:
                 self._refuse(start.handle, exc)
         return running
 
+    def _cancel_waiting(self, handle: RequestHandle) -> None:
+        """End a request that was cancelled before it started: every choice."""
+        self.stats.requests_cancelled += 1
+        prompt = len(handle.request.prompt_tokens)
+        for index in range(handle.request.n):
+            handle.push(DoneEvent("cancelled", prompt, 0, index=index))
+
     def _refuse(self, handle: RequestHandle, exc: BaseException) -> None:
         self.stats.requests_failed += 1
         handle.push(error_event(exc))
 
-    def _prepare(self, handle: RequestHandle) -> _Start | None:
+    def _prepare(self, handle: RequestHandle) -> Start | None:
         """The request's prompt, its longest cached prefix and its processors."""
         request = handle.request
         try:
-            processors = make_request_processors(request.sampling, request.logits_processors)
+            if not 1 <= request.n <= self.config.max_batch:
+                raise InvalidRequest(f"n must be between 1 and {self.config.max_batch}", "n")
+            processors = self._processors(request, 0)
             prompt = list(request.prompt_tokens)
             cache, reused = None, 0
-            if self.prompt_cache is not None and request.use_prompt_cache:
+            # Prompt logprobs need every position computed: nothing is restored.
+            restore = request.use_prompt_cache and request.prompt_logprobs is None
+            if self.prompt_cache is not None and restore:
                 cache, reused = self.prompt_cache.fetch(prompt)
         except Exception as exc:
-            log.exception("request %s could not start", request.request_id)
+            if not isinstance(exc, InvalidRequest):  # the client's mistake is no bug
+                log.exception("request %s could not start", request.request_id)
             self._refuse(handle, exc)
             return None
-        return _Start(handle, prompt, cache, reused, processors)
+        return Start(handle, prompt, cache, reused, processors)
 
-    def _prefill_layer_major(self, starts: list[_Start]) -> None:
+    @staticmethod
+    def _processors(request: GenerationRequest, choice: int) -> GuardedProcessors | None:
+        extra = (
+            request.processor_factory(choice)
+            if request.processor_factory is not None
+            else request.logits_processors
+        )
+        return make_request_processors(request.sampling, extra)
+
+    def _prefill_layer_major(self, starts: list[Start]) -> None:
         """Prefill the prompts together, layer-major, when weights come from disk.
 
         One pass over the weights gives each prompt its cache and its first
         token (generation/prefill.py says why and how); the batch then
         decodes from the second token on.
         """
+        # A request that wants its prompt's logprobs is prefilled alone, which keeps them.
+        starts = [s for s in starts if s.handle.request.prompt_logprobs is None]
         if self._layer_major is None or not self._layer_major_wanted() or not starts:
             return
         assert self.loaded is not None
@@ -376,6 +387,7 @@ class Engine:
                 continue
             if job.prefix_state is not None and self.prompt_cache is not None:
                 self.prompt_cache.store(start.prompt[:-1], job.prefix_state)
+            self.stats.prefill_tokens_total += len(start.prompt) - start.reused
             start.reused = len(start.prompt)
             start.logits = job.logits
 
@@ -385,66 +397,118 @@ class Engine:
         assert loaded is not None
         return loaded.experts is not None or bool(loaded.streamer.streamed_layers)
 
-    def _start(self, batch: BatchGenerator, start: _Start, active: dict[int, _Active]) -> None:
-        """Put the request into the batch; after a layer-major prefill, emit its first token."""
+    def _start(self, batch: BatchGenerator, start: Start, active: dict[int, Choice]) -> None:
+        """Put the request's choices into the batch. After a prefill outside the batch,
+        each choice samples its first token from the prompt's logits, on a copy of
+        the prompt's state."""
         assert self.loaded is not None
-        handle, prompt, reused = start.handle, start.prompt, start.reused
-        request = handle.request
-        tokenizer = self.loaded.tokenizer
-        sampler = make_request_sampler(request.sampling)
-        entry = _Active(
-            uid=-1,
-            handle=handle,
-            detokenizer=tokenizer.detokenizer,
-            stops=StopMatcher(request.stop),
-            processors=start.processors,
-            started=start.started,
-            cached_tokens=start.cached,
-        )
+        request = start.handle.request
         self.stats.requests_total += 1
+        if start.alone and start.logits is None:
+            if not self._prefill_alone(start):
+                return
+        elif start.logits is None:
+            self.stats.prefill_tokens_total += len(start.prompt) - start.reused
+        if start.scores is not None:
+            start.handle.push(start.scores.event())
+        for index in range(request.n):
+            choice = Choice(
+                uid=-1,
+                handle=start.handle,
+                index=index,
+                detokenizer=(
+                    keep_first_space(self.loaded.tokenizer.detokenizer)
+                    if request.continuation
+                    else self.loaded.tokenizer.detokenizer
+                ),
+                stops=StopMatcher(request.stop),
+                processors=start.processors if index == 0 else self._processors(request, index),
+                started=start.started,
+                cached_tokens=start.cached,
+            )
+            last = index == request.n - 1
+            cache = start.cache if last or start.cache is None else copy.deepcopy(start.cache)
+            self._start_choice(batch, start, choice, cache, active)
+            if start.handle.cancelled:  # a choice failed: the request has ended
+                return
+
+    def _prefill_alone(self, start: Start) -> bool:
+        """Prefill the prompt outside the batch (generation/shared_prefill.py); False
+        when the request ended instead."""
+        assert self.loaded is not None
+        request = start.handle.request
+        if start.cache is None:
+            start.cache = make_prompt_cache(self.loaded.model)
+        if request.prompt_logprobs is not None:
+            start.scores = PromptScores(start.prompt, request.prompt_logprobs)
+        try:
+            start.logits = prefill_alone(
+                self.loaded.model,
+                start.prompt,
+                start.cache,
+                start.reused,
+                self.config.prefill_step_size,
+                start.scores,
+                _cancel_check(start.handle),
+            )
+        except PrefillCancelled:
+            self._cancel_waiting(start.handle)
+            return False
+        self.stats.prefill_tokens_total += len(start.prompt) - start.reused
+        start.reused = len(start.prompt)
+        return True
+
+    def _start_choice(
+        self,
+        batch: BatchGenerator,
+        start: Start,
+        choice: Choice,
+        cache: list[Any] | None,
+        active: dict[int, Choice],
+    ) -> None:
+        request = choice.handle.request
+        prompt, reused = start.prompt, start.reused
+        tokenizer = self.loaded.tokenizer if self.loaded is not None else None
+        assert tokenizer is not None
+        sampler = make_request_sampler(request.sampling, choice.index)
         inputs, max_tokens = prompt[reused:], request.max_tokens
+        if max_tokens == 0:  # the prompt alone was asked for (its logprobs)
+            self._finish_entry(choice, "length")
+            return
         if start.logits is not None:  # the whole prompt is in the cache
-            first = sample_first(start.logits, prompt, sampler, start.processors)
-            if entry.processors is not None and entry.processors.error is not None:
-                self._fail_entry(entry, entry.processors.error)
+            first, logprobs = sample_first(start.logits, prompt, sampler, choice.processors)
+            if choice.processors is not None and choice.processors.error is not None:
+                self._fail_entry(choice, choice.processors.error)
                 return
             if first in tokenizer.eos_token_ids or max_tokens == 1:
                 # A natural end: as at the end of any answer, the state (here:
                 # after the prompt) is kept for the next turn.
                 if self.prompt_cache is not None and request.use_prompt_cache:
-                    self.prompt_cache.store(prompt, start.cache)
+                    self.prompt_cache.store(prompt, cache)
                 eos = first in tokenizer.eos_token_ids
                 if not eos:
-                    self._emit(entry, first)
-                self._finish_entry(entry, "stop" if eos or entry.stops.hit else "length")
+                    choice.emit(first, logprobs)
+                self._finish_entry(choice, "stop" if eos or choice.stops.hit else "length")
                 return
-            self._emit(entry, first)
-            if entry.stops.hit:
-                self._finish_entry(entry, "stop")
+            choice.emit(first, logprobs)
+            if choice.stops.hit:
+                self._finish_entry(choice, "stop")
                 return
             inputs, max_tokens = [first], max_tokens - 1
-        (entry.uid,) = batch.insert(
+        (choice.uid,) = batch.insert(
             [inputs],
             max_tokens=[max_tokens],
-            caches=[start.cache] if start.cache is not None else None,
+            caches=[cache] if cache is not None else None,
             # The reused tokens are history for penalties, as in a cold prefill.
             all_tokens=[prompt[: min(reused, len(prompt))]],
             samplers=[sampler],
-            logits_processors=[[start.processors] if start.processors else []],
+            logits_processors=[[choice.processors] if choice.processors else []],
             stop_sequences=[StopSequences([[t] for t in tokenizer.eos_token_ids])],
         )
-        active[entry.uid] = entry
+        active[choice.uid] = choice
         self.stats.active = len(active)
 
-    def _emit(self, entry: _Active, token: int) -> None:
-        if entry.generated == 0:
-            entry.first_token_at = time.perf_counter()
-        entry.generated += 1
-        entry.detokenizer.add_token(token)
-        text = entry.stops.feed(entry.detokenizer.last_segment)
-        entry.handle.push(TokenEvent(token, text))
-
-    def _on_token(self, batch: BatchGenerator, active: dict[int, _Active], response) -> None:
+    def _on_token(self, batch: BatchGenerator, active: dict[int, Choice], response) -> None:
         entry = active.get(response.uid)
         if entry is None:
             return
@@ -453,7 +517,7 @@ class Engine:
             return
         finish = response.finish_reason
         if finish != "stop":  # "stop" from the batch means an EOS token: not emitted
-            self._emit(entry, response.token)
+            entry.emit(response.token, response.logprobs)
             if entry.stops.hit:
                 batch.remove([response.uid])
                 finish = "stop"
@@ -462,39 +526,31 @@ class Engine:
                 self._store_finished(entry, response)
             self._finish(active, response.uid, finish)
 
-    def _finish(self, active: dict[int, _Active], uid: int, reason: str) -> None:
+    def _finish(self, active: dict[int, Choice], uid: int, reason: str) -> None:
         entry = active.pop(uid)
         self.stats.active = len(active)  # idle before the client hears the end
         self._finish_entry(entry, reason)
 
-    def _finish_entry(self, entry: _Active, reason: str) -> None:
-        request = entry.handle.request
-        if reason == "cancelled":
+    def _finish_entry(self, entry: Choice, reason: str) -> None:
+        if reason == "cancelled" and entry.index == 0:
             self.stats.requests_cancelled += 1
-        # Text held back for stop matching is the client's, even on a cut.
-        entry.detokenizer.finalize()
-        tail = entry.stops.feed(entry.detokenizer.last_segment) + entry.stops.flush()
         self._record(entry)
-        entry.handle.push(
-            DoneEvent(
-                reason,
-                len(request.prompt_tokens),
-                entry.generated,
-                text=tail,
-                cached_tokens=entry.cached_tokens,
-            )
-        )
+        entry.handle.push(entry.done(reason))
 
-    def _fail(self, active: dict[int, _Active], uid: int, exc: BaseException | None) -> None:
+    def _fail(self, active: dict[int, Choice], uid: int, exc: BaseException | None) -> None:
         entry = active.pop(uid)
         self.stats.active = len(active)
         self._fail_entry(entry, exc)
 
-    def _fail_entry(self, entry: _Active, exc: BaseException | None) -> None:
+    def _fail_entry(self, entry: Choice, exc: BaseException | None) -> None:
+        """A choice's failure ends its request: the other choices are cancelled."""
+        if entry.handle.cancelled:
+            return  # a sibling already failed it
         self.stats.requests_failed += 1
         entry.handle.push(error_event(exc))
+        entry.handle.cancelled = True
 
-    def _store_prompts(self, batch: BatchGenerator, active: dict[int, _Active], responses) -> None:
+    def _store_prompts(self, batch: BatchGenerator, active: dict[int, Choice], responses) -> None:
         """Store the cache state of prompts whose prefill reached their last token.
 
         BatchGenerator splits each prompt's last token into a segment of its
@@ -516,7 +572,7 @@ class Engine:
         for uid, (cache, _) in batch.extract_cache(done).items():
             self.prompt_cache.store(list(active[uid].handle.request.prompt_tokens[:-1]), cache)
 
-    def _store_finished(self, entry: _Active, response: Any) -> None:
+    def _store_finished(self, entry: Choice, response: Any) -> None:
         """Store the state after the prompt and its answer: the next turn of a
         conversation resends both, so it prefills only what came after."""
         if self.prompt_cache is not None and entry.handle.request.use_prompt_cache:
@@ -530,57 +586,13 @@ class Engine:
 
     def weight_bytes_read(self) -> int:
         """Weight bytes read from disk so far: streamed layers and offloaded experts."""
-        loaded = self.loaded
-        total = 0
-        if loaded is not None and loaded.streamer is not None:
-            total += loaded.streamer.stats.bytes_read
-        if loaded is not None and loaded.experts is not None:
-            total += loaded.experts.snapshot().since_start.bytes_read
-        return total
+        return weight_bytes_read(self.loaded)
 
-    def _record(self, entry: _Active) -> None:
-        end = time.perf_counter()
-        first = entry.first_token_at or end
-        prompt = len(entry.handle.request.prompt_tokens)
-        self.stats.prompt_tokens_total += prompt
-        self.stats.completion_tokens_total += entry.generated
-        self.stats.last_prefill_tokens_per_s = prompt / max(first - entry.started, 1e-9)
-        if entry.generated > 1:
-            self.stats.last_decode_tokens_per_s = (entry.generated - 1) / max(end - first, 1e-9)
+    def _record(self, entry: Choice) -> None:
+        # The prompt is the request's, whatever n is: counted with choice 0.
+        prompt = len(entry.handle.request.prompt_tokens) if entry.index == 0 else 0
+        self.stats.record(prompt, entry.generated, entry.started, entry.first_token_at)
 
 
 def _cancel_check(handle: RequestHandle) -> Callable[[], bool]:
     return lambda: handle.cancelled
-
-
-@dataclass
-class _Start:
-    """A request on its way into the batch."""
-
-    handle: RequestHandle
-    prompt: list[int]
-    cache: list[Any] | None  # the state after prompt[:reused]
-    reused: int  # tokens the cache covers
-    processors: GuardedProcessors | None
-    failed: bool = False
-    logits: Any = None  # after a layer-major prefill: the first token's (vocab,) logits
-    started: float = field(default_factory=time.perf_counter)
-
-    def __post_init__(self) -> None:
-        self.cached = self.reused  # tokens the prompt cache gave: reported as cached_tokens
-
-
-@dataclass
-class _Active:
-    """A request in the batch and its per-request text state."""
-
-    uid: int
-    handle: RequestHandle
-    detokenizer: Any
-    stops: StopMatcher
-    processors: GuardedProcessors | None
-    started: float
-    cached_tokens: int = 0  # prompt tokens restored from the prompt cache
-    first_token_at: float | None = None
-    generated: int = 0
-    failed: BaseException | None = None

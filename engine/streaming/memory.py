@@ -291,6 +291,9 @@ class MemoryReport:
     streaming_buffer_bytes: int  # streamed-layer weights in flight (loading or computing)
     kv_cache_bytes: int
     prompt_cache_bytes: int  # cached prompt states kept for reuse (the prompt cache)
+    # Bytes read from disk per decoder layer since start (streamed layer files;
+    # offloaded experts are counted per layer in the expert cache's stats).
+    layer_bytes_read: list[int] = field(default_factory=list)
     shedding_events: list[dict] = field(default_factory=list)
     plan: dict | None = None  # ResidencyPlan as a dict (N, layers, inputs); None: not streamed
     streaming: dict | None = None  # StreamStats as a dict; None: not streamed
@@ -358,4 +361,5 @@ def _resident_layout(loaded: Any) -> dict:
         "resident_weight_bytes": total,
         "non_layer_bytes": total - layer_bytes,
         "streaming_buffer_bytes": 0,
+        "layer_bytes_read": [0] * len(layers),
     }

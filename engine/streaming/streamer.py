@@ -126,6 +126,7 @@ class LayerInfo:
     file_bytes: int = 0  # size of the layer file
     crc32: list[int] | None = None  # per checksum chunk; None: not verified (old manifest)
     experts_file_bytes: int = 0
+    bytes_read: int = 0  # read from disk for this layer since start (the dashboard's strip)
 
 
 @dataclass
@@ -374,6 +375,7 @@ class LayerStreamer:
         pending = self._load(info)
         self.stats.layer_loads += 1
         self.stats.bytes_read += pending.nbytes
+        info.bytes_read += pending.nbytes
         return pending
 
     def _schedule_after(self, index: int) -> None:
@@ -485,6 +487,7 @@ class LayerStreamer:
             + sum(self.layer_bytes(i) for i in resident),
             "non_layer_bytes": self.non_layer_bytes,
             "streaming_buffer_bytes": in_flight,
+            "layer_bytes_read": [info.bytes_read for info in self.layers],
             "shedding_events": [
                 asdict(e) for e in (self.residency.events if self.residency else [])
             ],

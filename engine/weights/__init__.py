@@ -2,9 +2,9 @@
 
 - `model`           LoadedModel, ModelLoadError, the compute dtype.
 - `sources`         resolve a model spec; load a plain model (GGUF or mlx-lm).
-- `gguf_file`       the GGUF container: header, tensor types, metadata.
-- `gguf_tokenizer`  tokenizer.json rebuilt from GGUF metadata.
-- `gguf`            GGUF -> mlx-lm model and config; `import-gguf`.
+- `gguf/`           GGUF files (llama.cpp, Ollama) -> mlx-lm models: the container,
+                    ggml blocks -> MLX quantization, architectures, tokenizer,
+                    `import-gguf` (its own __init__ lists the modules).
 - `layout`          the prepared (streaming) layout: file names, manifest,
                     reading and checking it.
 - `prepare`         `flashserve prepare`: write that layout from any model.

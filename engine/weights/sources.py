@@ -85,7 +85,7 @@ def load_plain(target: Path | str, lazy: bool = False) -> tuple[nn.Module, Any, 
     larger than memory one layer at a time); GGUF weights are always read.
     """
     if isinstance(target, Path) and target.is_file():
-        from flashserve.engine.weights.gguf import load_gguf
+        from flashserve.engine.weights.gguf.model import load_gguf
 
         return load_gguf(target)
     from mlx_lm.utils import load as mlx_lm_load

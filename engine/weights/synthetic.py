@@ -80,6 +80,19 @@ _BASE = {
 
 ARCHITECTURES: dict[str, dict[str, Any]] = {
     "llama": {**_BASE, "model_type": "llama", "attention_bias": False, "mlp_bias": False},
+    # mlx-lm runs "mistral" as llama; llama.cpp writes it as a llama GGUF.
+    "mistral": {**_BASE, "model_type": "mistral"},
+    "qwen2": {**_BASE, "model_type": "qwen2"},
+    "qwen3": {**_BASE, "model_type": "qwen3"},
+    # Both attention kinds in four layers: sliding (local RoPE base) and global.
+    "gemma3_text": {
+        **_BASE,
+        "model_type": "gemma3_text",
+        "query_pre_attn_scalar": 16,
+        "sliding_window": 512,
+        "sliding_window_pattern": 2,
+        "rope_local_base_freq": 10000.0,
+    },
     "qwen3_moe": {
         **_BASE,
         "model_type": "qwen3_moe",

@@ -8,6 +8,7 @@ processor (engine/generation/constraints.py) enforces it token by token.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 from flashserve.engine.generation.constraints import (
@@ -25,6 +26,14 @@ from flashserve.server.chat.structured import (
 )
 from flashserve.server.chat.tooling import ChatPlan
 from flashserve.server.http.errors import invalid_request
+
+# Choice index -> that choice's own processors (a grammar matcher holds the state of
+# one output, so every choice of a request needs its own).
+ProcessorFactory = Callable[[int], list[LogitsProcessor]]
+
+
+def _no_processors(choice: int) -> list[LogitsProcessor]:
+    return []
 
 
 def _grammar(plan: ChatPlan, tokenizer: Any) -> Grammar | None:
@@ -59,13 +68,13 @@ def _grammar(plan: ChatPlan, tokenizer: Any) -> Grammar | None:
     return json_grammar if tool_grammar is None else (tool_grammar | json_grammar)
 
 
-def _build(plan: ChatPlan, tokenizer: Any, prompt_text: str) -> list[LogitsProcessor]:
+def _build(plan: ChatPlan, tokenizer: Any, prompt_text: str) -> ProcessorFactory:
     try:
         grammar = _grammar(plan, tokenizer)
     except ConstraintError as exc:
         raise invalid_request(str(exc), exc.param) from None
     if grammar is None:
-        return []
+        return _no_processors
     param = "tool_choice" if plan.choice.mode in ("required", "named") else "response_format"
     try:
         compiled = compile_grammar(tokenizer, grammar.text())
@@ -73,20 +82,30 @@ def _build(plan: ChatPlan, tokenizer: Any, prompt_text: str) -> list[LogitsProce
         markers = plan.tooling.reasoning
         if markers and markers.prompt_opens_reasoning(prompt_text):
             after = list(tokenizer.encode(markers.end, add_special_tokens=False))
-        return [GrammarProcessor(tokenizer, compiled, after=after, param=param)]
+        # Built here, so that a grammar the matcher refuses is the client's 400 now.
+        first = GrammarProcessor(tokenizer, compiled, after=after, param=param)
     except GrammarError as exc:
         raise invalid_request(f"Cannot enforce {param}: {exc}", param) from None
+
+    def make(choice: int) -> list[LogitsProcessor]:
+        # The grammar is compiled once; each further choice gets its own matcher.
+        if choice == 0:
+            return [first]
+        return [GrammarProcessor(tokenizer, compiled, after=after, param=param)]
+
+    return make
 
 
 async def constraint_processors(
     plan: ChatPlan, tokenizer: Any, prompt_text: str
-) -> list[LogitsProcessor]:
-    """Logits processors that enforce tool_choice required/named and response_format.
+) -> ProcessorFactory:
+    """Choice index -> the logits processors that enforce tool_choice required/named
+    and response_format for that choice (none when nothing is enforced).
 
     Compiling a grammar is CPU work (milliseconds; the tokenizer's first use
     about a second), so it runs off the event loop.
     """
     forced = plan.choice.mode in ("required", "named") and plan.tools
     if not forced and plan.schema is None:
-        return []
+        return _no_processors
     return await asyncio.to_thread(_build, plan, tokenizer, prompt_text)

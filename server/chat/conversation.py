@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from flashserve.engine.generation.requests import SamplingParams
+from flashserve.engine.generation.requests import SamplingParams, TokenEvent
 
 
 @dataclass
@@ -31,10 +31,15 @@ class ChatRequest:
     response_format: dict[str, Any] | None = None  # {"type": "json_object" | "json_schema", ...}
     stop: list[str] = field(default_factory=list)
     max_tokens: int | None = None  # None: the server's default, capped to the context
+    # max_tokens as an upper bound, cut to what the context leaves rather than refused
+    # (Anthropic clients send one large value, e.g. Claude Code's 32000, whatever the model).
+    clamp_max_tokens: bool = False
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     # The dialect's names of the fields an error may point at.
     messages_param: str = "messages"
     max_tokens_param: str = "max_tokens"
+    n: int = 1  # choices, each parsed on its own (ChatTurn.choice_events)
+    logprobs: int | None = None  # None: none; k: each token's logprob and the k likeliest
 
 
 @dataclass(frozen=True)
@@ -80,11 +85,31 @@ class ToolCallDelta:
 
 
 @dataclass(frozen=True)
+class ToolCallDropped:
+    """Call `index` was announced (and may have streamed arguments) but did not
+    complete as a valid call: non-streaming responses leave it out."""
+
+    index: int
+
+
+@dataclass(frozen=True)
 class Finished:
     reason: str  # stop | length | tool_calls
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0  # prompt tokens reused from the prompt cache
+    stop_sequence: str | None = None  # the request's stop string that ended the turn, if one did
 
 
-OutputEvent = TextDelta | ReasoningDelta | ToolCallDelta | Finished
+OutputEvent = TextDelta | ReasoningDelta | ToolCallDelta | ToolCallDropped | Finished
+
+
+@dataclass(frozen=True)
+class ChoiceEvent:
+    """An output event of choice `index`, with the generated tokens (their logprobs,
+    when asked) not yet given with an earlier event of that choice: the text they
+    made goes out in this event, or was held back and goes out here or later."""
+
+    index: int
+    event: OutputEvent
+    tokens: tuple[TokenEvent, ...] = ()

@@ -2,15 +2,20 @@
 
 Every piece of generated text (already stop-trimmed by the engine) goes
 through an OutputParser (chat/output_parser.py), which holds back
-`<tool_call>...</tool_call>` until a call is complete and routes `<think>`
-text to reasoning. What it releases becomes ReasoningDelta, TextDelta and
-ToolCallDelta events; a dialect streams them as chunks or folds them into one
-message, so streaming and non-streaming always agree.
+tool-call markup (streaming a call's arguments once its name is known) and
+routes `<think>` text to reasoning. What it releases becomes ReasoningDelta,
+TextDelta, ToolCallDelta and ToolCallDropped events; a dialect streams them as
+chunks or folds them into one message, so streaming and non-streaming agree.
 """
 
 from __future__ import annotations
 
-from flashserve.server.chat.conversation import OutputEvent, ReasoningDelta, TextDelta
+from flashserve.server.chat.conversation import (
+    OutputEvent,
+    ReasoningDelta,
+    TextDelta,
+    ToolCallDropped,
+)
 from flashserve.server.chat.output_parser import OutputParser, Parsed
 from flashserve.server.chat.tooling import ChatPlan
 
@@ -25,6 +30,7 @@ class ChatOutput:
             in_reasoning=bool(markers and markers.prompt_opens_reasoning(prompt_text)),
             tool_format=plan.tooling.tool_format,
             tools=plan.tools,
+            max_calls=None if plan.parallel else 1,
         )
 
     def feed(self, text: str) -> list[OutputEvent]:
@@ -49,4 +55,5 @@ def _events(parsed: Parsed) -> list[OutputEvent]:
     if parsed.content:
         out.append(TextDelta(parsed.content))
     out.extend(parsed.tool_calls)
+    out.extend(ToolCallDropped(index) for index in parsed.dropped)
     return out

@@ -181,7 +181,7 @@ def _chat(args: argparse.Namespace) -> int:
 
 def _import_gguf(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    from flashserve.engine.weights.gguf import import_gguf
+    from flashserve.engine.weights.gguf.model import import_gguf
 
     if not args.file.is_file():
         raise _UserError(f"{args.file}: no such file")

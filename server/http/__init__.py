@@ -9,4 +9,5 @@
 - `metrics`     Prometheus collectors.
 - `lifecycle`   request time limits and the graceful shutdown drain.
 - `production`  wires the above into an app.
+- `openapi`     the OpenAPI document as the server answers (statuses, SSE, security).
 """

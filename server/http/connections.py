@@ -9,6 +9,9 @@ connection is served, /health included. Here:
 - at most `max_connections` are open. Past that, the connection idle the
   longest is closed to make room. When every connection is serving a request,
   the new one's request gets 503 (uvicorn's limit_concurrency);
+- the listen backlog is small (ACCEPT_BACKLOG): asyncio accepts up to `backlog`
+  connections in one go, before any of them can be closed, so uvicorn's 2048
+  could exhaust a 2048 open-file limit in one burst of connects;
 - the soft open-file limit is raised to fit `max_connections` and the server's
   own files.
 """
@@ -25,8 +28,12 @@ from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 log = logging.getLogger(__name__)
 
+# The listen queue, and the most connections asyncio accepts per wake-up. A burst
+# is closed (past max_connections) a few loop turns after it is accepted, so a few
+# bursts can be open at once; clients beyond the queue retry their SYN, unharmed.
+ACCEPT_BACKLOG = 128
 # File descriptors the server needs besides connections: model, layer and expert
-# files, prompt-cache files, the pread pool, pipes, and a burst of accepts.
+# files, prompt-cache files, the pread pool, pipes, and accept bursts not yet closed.
 FD_HEADROOM = 1024
 # Seconds between two warnings that the connection limit was reached.
 WARN_EVERY_S = 60.0

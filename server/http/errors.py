@@ -1,6 +1,11 @@
-"""OpenAI error objects and the exception handlers that produce them.
+"""Error objects and the exception handlers that produce them.
 
-Every 4xx/5xx body is `{"error": {"message", "type", "param", "code"}}`.
+Every 4xx/5xx body is `{"error": {"message", "type", "param", "code"}}` (the
+OpenAI shape), except on the Anthropic Messages routes (/v1/messages...), which
+answer `{"type": "error", "error": {"type", "message"}}` with Anthropic's error
+types. The request path alone decides the shape (`dialect`), in one place
+(`error_body`) that every handler and every middleware answering an error goes
+through, so no call site picks a shape itself.
 
 Validation errors (malformed JSON, wrong types, missing or unknown fields'
 values) answer 400 `invalid_request_error`, as the OpenAI API does, not
@@ -10,14 +15,15 @@ bad request, the same as against api.openai.com.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from flashserve.engine.generation.worker import EngineNotReadyError, QueueFullError
@@ -53,7 +59,81 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
+class AnthropicErrorDetail(BaseModel):
+    type: str = Field(
+        description="invalid_request_error | authentication_error | permission_error | "
+        "not_found_error | request_too_large | rate_limit_error | api_error | overloaded_error"
+    )
+    message: str
+
+
+class AnthropicErrorResponse(BaseModel):
+    """The error object of the Anthropic Messages routes."""
+
+    type: Literal["error"] = "error"
+    error: AnthropicErrorDetail
+
+
+ANTHROPIC_PATH = "/v1/messages"
+# Anthropic's error type for each status it documents; 503 (loading, shutting
+# down) is the server being unable to take the request now: overloaded_error.
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+
+
+def dialect(path: str) -> Literal["openai", "anthropic"]:
+    """The API dialect whose error shape a request path answers with."""
+    if path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/"):
+        return "anthropic"
+    return "openai"
+
+
+def anthropic_error_type(status: int) -> str:
+    return _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+
+
+def error_body(status: int, detail: ErrorDetail, path: str = "") -> dict[str, Any]:
+    """The error object for `path`'s dialect: the one place the shape is chosen."""
+    if dialect(path) == "anthropic":
+        message = detail.message
+        if detail.param and detail.param not in message:
+            # Anthropic's object has no `param`: name the field as its messages do.
+            message = f"{detail.param}: {message}"
+        error = AnthropicErrorDetail(type=anthropic_error_type(status), message=message)
+        return AnthropicErrorResponse(error=error).model_dump()
+    return ErrorResponse(error=detail).model_dump()
+
+
 log = logging.getLogger(__name__)
+
+_STATUS_MEANING = {
+    400: "The request is invalid (an error object names the field)",
+    401: "Missing or wrong API key",
+    404: "Unknown model, route or stored object",
+    413: "The request body is larger than max_body_bytes",
+    429: "The queue is full; retry after Retry-After seconds",
+    503: "The model is loading or failed to load, or the server is shutting down",
+}
+
+
+def error_responses(
+    *statuses: int, model: type[BaseModel] = ErrorResponse
+) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI `responses=` entries for the error statuses a route answers with."""
+    return {
+        status: {"model": model, "description": _STATUS_MEANING.get(status, "Error")}
+        for status in statuses
+    }
+
 
 INVALID_REQUEST = "invalid_request_error"
 SERVER_ERROR = "server_error"
@@ -78,12 +158,12 @@ class APIError(Exception):
         self.detail = ErrorDetail(message=message, type=type, param=param, code=code)
         self.headers = headers
 
-    def response(self) -> JSONResponse:
-        return error_response(self.status, self.detail, self.headers)
+    def response(self, path: str = "") -> JSONResponse:
+        return error_response(self.status, self.detail, self.headers, path=path)
 
-    def body_json(self) -> str:
+    def body_json(self, path: str = "") -> str:
         """The error object as JSON text: the data of an SSE error event mid-stream."""
-        return ErrorResponse(error=self.detail).model_dump_json()
+        return json.dumps(error_body(self.status, self.detail, path))
 
 
 def invalid_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -107,6 +187,19 @@ def nested_deeper_than(value: Any, limit: int) -> bool:
             return True
         stack.extend((child, depth + 1) for child in item if isinstance(child, (dict, list)))
     return False
+
+
+class DepthLimited(BaseModel):
+    """A request body: checked for depth before any field is read, because later
+    steps (templates, schemas, dumps) recurse, and fields not declared are walked
+    by whatever reads the body next."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _not_too_deep(cls, data: Any) -> Any:
+        if nested_deeper_than(data, MAX_JSON_DEPTH):
+            raise ValueError(too_deep_message())
+        return data
 
 
 def model_not_found(name: str) -> APIError:
@@ -135,11 +228,10 @@ def not_ready(state: str, load_error: str | None = None) -> APIError:
 
 
 def error_response(
-    status: int, detail: ErrorDetail, headers: dict[str, str] | None = None
+    status: int, detail: ErrorDetail, headers: dict[str, str] | None = None, *, path: str = ""
 ) -> JSONResponse:
-    return JSONResponse(
-        ErrorResponse(error=detail).model_dump(), status_code=status, headers=headers
-    )
+    """The error response to a request for `path` (its dialect picks the shape)."""
+    return JSONResponse(error_body(status, detail, path), status_code=status, headers=headers)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -153,16 +245,18 @@ def install_error_handlers(app: FastAPI) -> None:
 
 async def _api_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, APIError)
-    return exc.response()
+    return exc.response(request.url.path)
 
 
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
-    return validation_error_response(exc.errors(), request.headers.get("content-type"))
+    return validation_error_response(
+        exc.errors(), request.headers.get("content-type"), request.url.path
+    )
 
 
 def validation_error_response(
-    errors: Sequence[Any], content_type: str | None = None
+    errors: Sequence[Any], content_type: str | None = None, path: str = ""
 ) -> JSONResponse:
     first = errors[0] if errors else {}
     if first.get("type") == "json_invalid":
@@ -174,7 +268,7 @@ def validation_error_response(
             type=INVALID_REQUEST,
             code="invalid_json",
         )
-        return error_response(400, detail)
+        return error_response(400, detail, path=path)
     if first.get("type") == "model_attributes_type" and _param(first) is None:
         # The body was not parsed as JSON at all, e.g. curl -d without a JSON content type.
         detail = ErrorDetail(
@@ -183,7 +277,7 @@ def validation_error_response(
             type=INVALID_REQUEST,
             code="invalid_json",
         )
-        return error_response(400, detail)
+        return error_response(400, detail, path=path)
     errors = _most_relevant(errors)
     messages = list(dict.fromkeys(_describe(err) for err in errors))
     if len(messages) > 5:
@@ -194,7 +288,7 @@ def validation_error_response(
         param=_param(errors[0]) if errors else None,
         code=_code(errors[0]) if errors else None,
     )
-    return error_response(400, detail)
+    return error_response(400, detail, path=path)
 
 
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
@@ -205,7 +299,7 @@ def _is_branch(part: Any) -> bool:
     return isinstance(part, str) and (
         part in {"str", "int", "float", "bool", "dict", "list", "none"}
         or "[" in part
-        or part.startswith("function-")
+        or part.startswith(("function-", "constrained-"))  # constrained: Field(min_length=1)
     )
 
 
@@ -278,14 +372,32 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
         message = "A number in the JSON body has too many digits."
     if status == 404 and message == "Not Found":
         message = f"Unknown route: {request.method} {request.url.path}"
-    elif status == 405:
+    headers = getattr(exc, "headers", None)
+    if status == 405:
         message = f"Method {request.method} is not allowed for {request.url.path}"
+        headers = {**(headers or {}), "Allow": ", ".join(allowed_methods(request))}
     detail = ErrorDetail(
         message=message,
         type=INVALID_REQUEST if status < 500 else SERVER_ERROR,
         code=codes.get(status),
     )
-    return error_response(status, detail, getattr(exc, "headers", None))
+    return error_response(status, detail, headers, path=request.url.path)
+
+
+def allowed_methods(request: Request) -> list[str]:
+    """Every method the app's routes take for this path. Starlette's 405 names only
+    the first route that matched it (GET and DELETE /v1/responses/{id} are two)."""
+    methods: set[str] = set()
+    stack = list(request.app.router.routes)
+    while stack:
+        route = stack.pop()
+        contexts = getattr(route, "effective_route_contexts", None)  # included routers
+        if callable(contexts):
+            stack.extend(contexts())
+        regex = getattr(route, "path_regex", None)
+        if regex is not None and regex.match(request.url.path):
+            methods.update(getattr(route, "methods", None) or ())
+    return sorted(methods)
 
 
 async def _queue_full(request: Request, exc: Exception) -> JSONResponse:
@@ -294,12 +406,12 @@ async def _queue_full(request: Request, exc: Exception) -> JSONResponse:
         type="rate_limit_error",
         code="queue_full",
     )
-    return error_response(429, detail, {"Retry-After": RETRY_AFTER_S})
+    return error_response(429, detail, {"Retry-After": RETRY_AFTER_S}, path=request.url.path)
 
 
 async def _engine_not_ready(request: Request, exc: Exception) -> JSONResponse:
     engine = request.app.state.engine
-    return not_ready(engine.state, engine.load_error).response()
+    return not_ready(engine.state, engine.load_error).response(request.url.path)
 
 
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -311,4 +423,4 @@ async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         type=SERVER_ERROR,
         code="internal_error",
     )
-    return error_response(500, detail)
+    return error_response(500, detail, path=request.url.path)

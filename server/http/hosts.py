@@ -120,7 +120,7 @@ class HostCheckMiddleware:
             type=INVALID_REQUEST,
             code="host_not_allowed",
         )
-        await error_response(400, detail)(scope, receive, send)
+        await error_response(400, detail, path=scope["path"])(scope, receive, send)
 
 
 def bind_host_names(host: str) -> list[str]:

@@ -23,6 +23,7 @@ uvicorn's wait.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import signal
 import time
@@ -35,6 +36,7 @@ from flashserve.engine.generation.requests import (
     DoneEvent,
     ErrorEvent,
     Event,
+    PromptLogprobsEvent,
     RequestHandle,
     TokenEvent,
 )
@@ -100,6 +102,9 @@ class TrackedHandle:
                     last = now
                     yield event
                     continue
+                if isinstance(event, PromptLogprobsEvent):
+                    yield event
+                    continue
                 yield self._final(event, tokens)
         finally:
             self._finish()
@@ -122,7 +127,8 @@ class TrackedHandle:
                 reason,
                 tokens,
             )
-            event = DoneEvent("length", event.prompt_tokens, tokens, event.text)
+            # Cut, not cancelled: the client gets what was generated, as with max_tokens.
+            event = dataclasses.replace(event, finish_reason="length")
         if self._tracker.metrics is not None:
             self._tracker.metrics.generations.labels(reason or "unknown").inc()
         return event
@@ -206,7 +212,7 @@ def make_server(
     keep_alive_timeout: float = 5.0,
 ) -> GracefulServer:
     """The uvicorn server for `flashserve serve`: graceful shutdown, bounded connections."""
-    from flashserve.server.http.connections import bounded_protocol
+    from flashserve.server.http.connections import ACCEPT_BACKLOG, bounded_protocol
 
     config = uvicorn.Config(
         app,
@@ -223,6 +229,7 @@ def make_server(
         # the new connection too, hence + 1.
         http=bounded_protocol(max_connections),
         limit_concurrency=max_connections + 1,
+        backlog=ACCEPT_BACKLOG,
         timeout_keep_alive=keep_alive_timeout,  # typed int, used as call_later's delay
     )
     server = GracefulServer(config, getattr(app.state, "tracker", None), grace)

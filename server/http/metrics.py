@@ -39,7 +39,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from flashserve.engine.generation.worker import BATCH_SIZE_BUCKETS
+from flashserve.engine.generation.stats import BATCH_SIZE_BUCKETS
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,13 @@ from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from flashserve.server.http.errors import INVALID_REQUEST, SERVER_ERROR, ErrorDetail, error_response
+from flashserve.server.http.errors import (
+    INVALID_REQUEST,
+    SERVER_ERROR,
+    ErrorDetail,
+    dialect,
+    error_response,
+)
 from flashserve.server.http.metrics import Metrics
 
 access_log = logging.getLogger("flashserve.access")
@@ -35,8 +41,9 @@ REQUEST_ID_HEADER = "x-request-id"
 _VALID_ID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")
 # --log-prompts logs at most this much of each request body.
 PROMPT_LOG_LIMIT = 8192
-# Polled every few seconds by probes and scrapers: their successes log at DEBUG.
-QUIET_PATHS = frozenset({"/health", "/metrics"})
+# Polled every few seconds by probes and scrapers, every second by the dashboard (its
+# data routes): their successes log at DEBUG.
+QUIET_PATHS = frozenset({"/health", "/metrics", "/memory", "/cache/stats"})
 # Status logged when the client went away before any response (nginx's convention).
 CLIENT_CLOSED = 499
 
@@ -90,6 +97,7 @@ class RequestContextMiddleware:
         started = time.perf_counter()
         status = 0
         body_seen: list[bytes] = []
+        anthropic = dialect(scope["path"]) == "anthropic"
 
         async def send_with_id(message: Message) -> None:
             nonlocal status
@@ -97,6 +105,8 @@ class RequestContextMiddleware:
                 status = message["status"]
                 headers = [h for h in message.get("headers", []) if h[0] != b"x-request-id"]
                 headers.append((b"x-request-id", rid.encode("latin-1")))
+                if anthropic:  # where Anthropic's SDKs read it (APIStatusError.request_id)
+                    headers.append((b"request-id", rid.encode("latin-1")))
                 message = {**message, "headers": headers}
             await send(message)
 
@@ -119,7 +129,8 @@ class RequestContextMiddleware:
                     type=SERVER_ERROR,
                     code="internal_error",
                 )
-                await error_response(500, detail)(scope, receive, send_with_id)
+                response = error_response(500, detail, path=scope["path"])
+                await response(scope, receive, send_with_id)
         finally:
             seconds = time.perf_counter() - started
             status = status or CLIENT_CLOSED
@@ -242,7 +253,7 @@ class BodyLimitMiddleware:
             code="request_too_large",
         )
         # Connection: close, since the rest of the body is left unread on the socket.
-        response = error_response(413, detail, {"Connection": "close"})
+        response = error_response(413, detail, {"Connection": "close"}, path=scope["path"])
         await response(scope, receive, send)
 
 
@@ -295,8 +306,9 @@ def install_middleware(
         kwargs: dict[str, Any] = {
             "allow_origins": allowed_origins,
             "allow_methods": ["GET", "POST", "OPTIONS"],
-            # Browser SDKs send extra headers (openai-js: x-stainless-*); bearer
-            # tokens, not cookies, so no credentials.
+            # Browser SDKs send extra headers (openai-js: x-stainless-*; Anthropic's:
+            # x-api-key, anthropic-version, anthropic-beta); keys in headers, not
+            # cookies, so no credentials.
             "allow_headers": ["*"],
             "expose_headers": ["X-Request-ID", "Retry-After"],
             "allow_credentials": False,

@@ -1,5 +1,6 @@
 """Wire the production features into an app: API key, Host check, CORS, body limit,
-HEAD, request ids and access log, Prometheus /metrics, request time limit and shutdown drain.
+HEAD, request ids and access log, Prometheus /metrics, request time limit and shutdown
+drain, and the statuses these answer in the OpenAPI document (server/http/openapi.py).
 
 create_app calls `install_production(app, settings, engine)` once, before the
 app starts, and adds the /metrics route and its sources. It leaves on app.state:
@@ -21,7 +22,8 @@ from flashserve.server.http.hosts import bind_host_names
 from flashserve.server.http.lifecycle import RequestTracker
 from flashserve.server.http.metrics import Metrics
 from flashserve.server.http.middleware import install_middleware
-from flashserve.server.http.security import resolve_api_key
+from flashserve.server.http.openapi import install_openapi
+from flashserve.server.http.security import OPEN_PATHS, resolve_api_key
 from flashserve.server.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -33,14 +35,22 @@ def install_production(app: FastAPI, settings: Settings, engine: Any) -> None:
     metrics.watch_engine(engine)
     app.state.metrics = metrics
     app.state.tracker = RequestTracker(settings.request_timeout, metrics)
+    allowed_hosts = [*settings.allowed_hosts, *bind_host_names(settings.host)]
     install_middleware(
         app,
         metrics=metrics,
         api_key=api_key,
         allowed_origins=settings.allowed_origins,
-        allowed_hosts=[*settings.allowed_hosts, *bind_host_names(settings.host)],
+        allowed_hosts=allowed_hosts,
         max_body_bytes=settings.max_body_bytes,
         log_prompts=settings.log_prompts,
+    )
+    # /openapi.json lists what the middleware answers on every route (401, 413, ...).
+    install_openapi(
+        app,
+        api_key=api_key is not None,
+        host_check=api_key is None and "*" not in allowed_hosts,
+        open_paths=OPEN_PATHS,
     )
     # sse-starlette would cut every open stream the moment uvicorn sees SIGTERM,
     # with no final chunk and no [DONE]. The tracker's drain ends streams instead

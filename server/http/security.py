@@ -1,7 +1,9 @@
 """API key authentication.
 
 When a key is configured (`--api-key`, `api_key_file`, or FLASHSERVE_API_KEY),
-every route except the open ones needs `Authorization: Bearer <key>`. This is a
+every route except the open ones needs `Authorization: Bearer <key>` or
+`x-api-key: <key>` (how the Anthropic SDKs and Claude Code send it; either
+header on any route, so one client configuration works everywhere). This is a
 pure ASGI middleware rather than a per-route dependency so that routes added
 later (/cache/stats, /memory, ...) are protected by default: forgetting to
 protect a new route must not open it.
@@ -20,8 +22,20 @@ from flashserve.server.settings import Settings, SettingsError
 
 log = logging.getLogger(__name__)
 
+# The dashboard's page and its files (server/routes/dashboard.py) hold no data, and a
+# browser loads them before the page can ask for the key. Exact paths: nothing else
+# under /dashboard (its /dashboard/info included) is open.
+DASHBOARD_PATHS = frozenset(
+    {
+        "/dashboard",
+        "/dashboard/app.js",
+        "/dashboard/style.css",
+        "/dashboard/uPlot.iife.min.js",
+        "/dashboard/uPlot.min.css",
+    }
+)
 # Liveness probes (load balancers, systemd, container healthchecks) carry no key.
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health"}) | DASHBOARD_PATHS
 
 
 def resolve_api_key(settings: Settings) -> str | None:
@@ -61,7 +75,7 @@ def key_matches(presented: bytes | None, expected: bytes) -> bool:
 
 
 class ApiKeyMiddleware:
-    """401 with an OpenAI error object unless the request carries the key."""
+    """401 with an error object (the path's dialect) unless the request carries the key."""
 
     def __init__(self, app: ASGIApp, api_key: str, open_paths: frozenset[str] = OPEN_PATHS):
         self.app = app
@@ -72,15 +86,16 @@ class ApiKeyMiddleware:
         if scope["type"] != "http" or scope["path"] in self._open:
             await self.app(scope, receive, send)
             return
-        header = dict(scope["headers"]).get(b"authorization")
-        token = bearer_token(header)
-        if key_matches(token, self._key):
+        headers = dict(scope["headers"])
+        token = bearer_token(headers.get(b"authorization"))
+        x_api_key = headers.get(b"x-api-key", b"").strip() or None
+        if key_matches(token, self._key) or key_matches(x_api_key, self._key):
             await self.app(scope, receive, send)
             return
-        if token is None:
+        if token is None and x_api_key is None:
             message = (
-                "You didn't provide an API key. Send it in the Authorization header: "
-                "'Authorization: Bearer YOUR_KEY'."
+                "You didn't provide an API key. Send it in the Authorization header "
+                "('Authorization: Bearer YOUR_KEY') or the x-api-key header."
             )
             code = None
         else:
@@ -91,5 +106,6 @@ class ApiKeyMiddleware:
             401,
             ErrorDetail(message=message, type=INVALID_REQUEST, code=code),
             {"WWW-Authenticate": "Bearer"},
+            path=scope["path"],
         )
         await response(scope, receive, send)

@@ -3,6 +3,9 @@
 In: the request body becomes the chat pipeline's ChatRequest. Out: the
 pipeline's output events become `chat.completion.chunk`s, or are folded by
 MessageBuilder into the one message of a `chat.completion`, so both agree.
+With n > 1 each choice has its own events, chunks (`choices[0].index`) and
+builder; with logprobs every generated token is listed, in order, tool-call
+and reasoning markup included (what the model sampled, as vLLM does).
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from typing import Any
 from fastapi import Request
 from sse_starlette import EventSourceResponse
 
-from flashserve.engine.generation.requests import LogitsProcessor
+from flashserve.engine.generation.requests import LogitsProcessor, TokenEvent
 from flashserve.engine.generation.worker import Engine
 from flashserve.engine.weights.model import LoadedModel
 from flashserve.server.chat.conversation import (
@@ -24,10 +27,13 @@ from flashserve.server.chat.conversation import (
     ReasoningDelta,
     TextDelta,
     ToolCallDelta,
+    ToolCallDropped,
 )
 from flashserve.server.chat.pipeline import ChatTurn, start_chat
 from flashserve.server.generation import cancel_on_disconnect, new_id, now, sse_events
-from flashserve.server.openai.common import sampling_params, usage
+from flashserve.server.http.errors import invalid_request
+from flashserve.server.openai.common import choice_count, sampling_params, usage
+from flashserve.server.openai.logprobs import TokenStrings, chat_logprobs, token_strings
 from flashserve.server.openai.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -36,16 +42,25 @@ from flashserve.server.openai.protocol import (
     ChatCompletionRequest,
     ChatDelta,
     ChatMessageOut,
+    ChoiceLogprobs,
     ContentPart,
     FunctionCallOut,
     FunctionDelta,
     ToolCallOut,
+    Usage,
 )
 from flashserve.server.openai.protocol import ToolCallDelta as ToolCallDeltaOut
 
 
-def chat_request(body: ChatCompletionRequest, vocab_size: int) -> ChatRequest:
-    """The pipeline's request for an OpenAI chat body (400 on a bad logit_bias)."""
+def chat_request(body: ChatCompletionRequest, vocab_size: int, max_batch: int = 1) -> ChatRequest:
+    """The pipeline's request for an OpenAI chat body (400 on a bad logit_bias, n above
+    max_batch, top_logprobs without logprobs)."""
+    if body.top_logprobs and not body.logprobs:
+        raise invalid_request(
+            "top_logprobs needs logprobs: true (it says how many tokens to list with each).",
+            "top_logprobs",
+            "invalid_value",
+        )
     return ChatRequest(
         messages=[
             _template_message(m.model_dump(exclude_none=True), m.content) for m in body.messages
@@ -61,6 +76,8 @@ def chat_request(body: ChatCompletionRequest, vocab_size: int) -> ChatRequest:
         max_tokens_param=(
             "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         ),
+        n=choice_count(body, max_batch),
+        logprobs=(body.top_logprobs or 0) if body.logprobs else None,
     )
 
 
@@ -89,8 +106,9 @@ async def create_chat_completion(
     extra_processors: Sequence[LogitsProcessor] = (),
 ) -> ChatCompletion | EventSourceResponse:
     completion_id = new_id("chatcmpl")
+    chat = chat_request(body, vocab_size, engine.config.max_batch)
     turn = await start_chat(
-        chat_request(body, vocab_size),
+        chat,
         loaded,
         engine,
         options,
@@ -99,26 +117,39 @@ async def create_chat_completion(
         extra_processors=extra_processors,
     )
     header = _ChunkHeader(completion_id, now(), loaded.model_id)
+    strings = token_strings(loaded.tokenizer)
     if body.stream:
-        return EventSourceResponse(
-            sse_events(turn.generation, _stream(turn, header, body.include_usage)), sep="\n"
-        )
-    builder = MessageBuilder()
+        chunks = _stream(turn, header, chat.n, strings, body.include_usage)
+        return EventSourceResponse(sse_events(turn.generation, chunks), sep="\n")
+    builders = [MessageBuilder(strings) for _ in range(chat.n)]
     async with cancel_on_disconnect(request, turn.generation):
-        async for event in turn.events():
-            builder.add(event)
-    assert builder.finished is not None
+        async for choice in turn.choice_events():
+            builders[choice.index].add(choice.event, choice.tokens)
+    finished = [b.finished for b in builders]
+    assert all(finished), finished
     return ChatCompletion(
         id=header.id,
         created=header.created,
         model=header.model,
-        choices=[ChatChoice(message=builder.message(), finish_reason=builder.finished.reason)],
-        usage=usage(
-            builder.finished.prompt_tokens,
-            builder.finished.completion_tokens,
-            builder.finished.cached_tokens,
-        ),
+        choices=[
+            ChatChoice(
+                index=index,
+                message=builder.message(),
+                finish_reason=builder.finished.reason,
+                logprobs=builder.logprobs() if chat.logprobs is not None else None,
+            )
+            for index, builder in enumerate(builders)
+            if builder.finished is not None
+        ],
+        usage=choices_usage([f for f in finished if f is not None]),
     )
+
+
+def choices_usage(finished: Sequence[Finished]) -> Usage:
+    """The prompt once (every choice shares its one prefill), every choice's tokens."""
+    first = finished[0]
+    completion = sum(f.completion_tokens for f in finished)
+    return usage(first.prompt_tokens, completion, first.cached_tokens)
 
 
 class _ChunkHeader:
@@ -127,30 +158,50 @@ class _ChunkHeader:
     def __init__(self, id: str, created: int, model: str):
         self.id, self.created, self.model = id, created, model
 
-    def chunk(self, delta: ChatDelta, finish_reason: str | None = None) -> str:
+    def chunk(
+        self,
+        delta: ChatDelta,
+        finish_reason: str | None = None,
+        index: int = 0,
+        logprobs: ChoiceLogprobs | None = None,
+    ) -> str:
+        choice = ChatChunkChoice(
+            index=index, delta=delta, finish_reason=finish_reason, logprobs=logprobs
+        )
         return ChatCompletionChunk(
-            id=self.id,
-            created=self.created,
-            model=self.model,
-            choices=[ChatChunkChoice(delta=delta, finish_reason=finish_reason)],
+            id=self.id, created=self.created, model=self.model, choices=[choice]
         ).model_dump_json()
 
 
-async def _stream(turn: ChatTurn, header: _ChunkHeader, include_usage: bool) -> AsyncIterator[str]:
-    yield header.chunk(ChatDelta(role="assistant", content=""))
-    async for event in turn.events():
-        if not isinstance(event, Finished):
-            yield header.chunk(delta(event))
+async def _stream(
+    turn: ChatTurn, header: _ChunkHeader, n: int, strings: TokenStrings, include_usage: bool
+) -> AsyncIterator[str]:
+    for index in range(n):
+        yield header.chunk(ChatDelta(role="assistant", content=""), index=index)
+    finished: list[Finished] = []
+    # Tokens of a dropped call's events, which send no chunk: they go with the next one.
+    carried: list[list[TokenEvent]] = [[] for _ in range(n)]
+    async for choice in turn.choice_events():
+        event, index = choice.event, choice.index
+        tokens = [*carried[index], *choice.tokens]
+        carried[index] = []
+        if isinstance(event, ToolCallDropped):
+            carried[index] = tokens  # its fragments are out; a chunk cannot take them back
             continue
-        yield header.chunk(ChatDelta(), event.reason)
-        if include_usage:
-            yield ChatCompletionChunk(
-                id=header.id,
-                created=header.created,
-                model=header.model,
-                choices=[],
-                usage=usage(event.prompt_tokens, event.completion_tokens, event.cached_tokens),
-            ).model_dump_json()
+        logprobs = chat_logprobs(tokens, strings)
+        if not isinstance(event, Finished):
+            yield header.chunk(delta(event), index=index, logprobs=logprobs)
+            continue
+        yield header.chunk(ChatDelta(), event.reason, index=index, logprobs=logprobs)
+        finished.append(event)
+    if include_usage and finished:
+        yield ChatCompletionChunk(
+            id=header.id,
+            created=header.created,
+            model=header.model,
+            choices=[],
+            usage=choices_usage(finished),
+        ).model_dump_json()
 
 
 def delta(event: OutputEvent) -> ChatDelta:
@@ -173,15 +224,23 @@ def delta(event: OutputEvent) -> ChatDelta:
 
 
 class MessageBuilder:
-    """Folds output events into the one message of a non-streaming response."""
+    """Folds one choice's output events into the one message of a non-streaming
+    response (and its tokens into its logprobs)."""
 
-    def __init__(self) -> None:
+    def __init__(self, strings: TokenStrings | None = None) -> None:
         self._content: list[str] = []
         self._reasoning: list[str] = []
         self._calls: dict[int, dict[str, str]] = {}
+        self._tokens: list[TokenEvent] = []
+        self._strings = strings
         self.finished: Finished | None = None
 
-    def add(self, event: OutputEvent) -> None:
+    def logprobs(self) -> ChoiceLogprobs:
+        assert self._strings is not None
+        return chat_logprobs(self._tokens, self._strings) or ChoiceLogprobs(content=[])
+
+    def add(self, event: OutputEvent, tokens: Sequence[TokenEvent] = ()) -> None:
+        self._tokens.extend(tokens)
         if isinstance(event, TextDelta):
             self._content.append(event.text)
         elif isinstance(event, ReasoningDelta):
@@ -191,6 +250,8 @@ class MessageBuilder:
             slot["id"] = event.id or slot["id"]
             slot["name"] = event.name or slot["name"]
             slot["arguments"] += event.arguments
+        elif isinstance(event, ToolCallDropped):
+            self._calls.pop(event.index, None)
         else:
             self.finished = event
 

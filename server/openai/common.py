@@ -43,6 +43,19 @@ def sampling_params(body: SamplingFields, vocab_size: int) -> SamplingParams:
     )
 
 
+def choice_count(body: SamplingFields, max_batch: int) -> int:
+    """n, which the batch bounds: every choice decodes in it at once (400 naming n)."""
+    n = 1 if body.n is None else body.n
+    if n > max_batch:
+        raise invalid_request(
+            f"n is {n}; this server generates at most {max_batch} choices per request "
+            f"(its max_batch).",
+            "n",
+            "invalid_value",
+        )
+    return n
+
+
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
     return Usage(
         prompt_tokens=prompt_tokens,

@@ -3,8 +3,15 @@
 Checked against the official openai SDK's types (openai/types/chat/*,
 openai/types/completion*.py, openai/types/model.py). Request models ignore
 fields they do not know (clients send many optional OpenAI fields, e.g. `user`,
-`store`, `metadata`), but reject fields they know and cannot honour (n > 1,
-logprobs, non-text content) rather than silently dropping them.
+`store`, `metadata`), but reject fields they know and cannot honour (best_of >
+1, non-text content) rather than silently dropping them.
+
+The published OpenAPI document (/openapi.json) is generated from these models,
+so a field's type is what the document promises: request models are strict
+(JSON `true` is not the integer 1, `"0.5"` is not a number), and a field the
+server refuses beyond one value (best_of, ...) is typed as that one value. A
+before-validator on such a field answers the clear message ("only best_of=1 is
+supported") instead of pydantic's, for every value but the accepted one.
 """
 
 from __future__ import annotations
@@ -15,80 +22,170 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
-    SerializerFunctionWrapHandler,
-    StrictInt,
+    WithJsonSchema,
     field_validator,
-    model_serializer,
     model_validator,
 )
 
-from flashserve.server.http.errors import MAX_JSON_DEPTH, nested_deeper_than, too_deep_message
+from flashserve.server.chat.prompts import RESERVED_KWARGS
+from flashserve.server.http.errors import (
+    DepthLimited,
+)
 
 MAX_STOP_STRINGS = 16
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound, and the engine's
 # logit_bias keys: token ids in ASCII digits (str.isdigit also takes '²' and
 # other digits int() refuses); ten digits cover every vocabulary.
-TOKEN_ID_KEY = re.compile(r"\s*-?[0-9]{1,10}\s*", re.ASCII)
+TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}", re.ASCII)
+LOGIT_BIAS_SCHEMA = {
+    "type": "object",
+    "propertyNames": {"pattern": f"^{TOKEN_ID_KEY.pattern}$"},
+    "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+    "description": "token id (a string of digits, inside the model's vocabulary) -> bias",
+}
+TOOL_CHOICE_SCHEMA = {
+    "anyOf": [
+        {"type": "string", "enum": ["none", "auto", "required"]},
+        {
+            "type": "object",
+            "properties": {
+                "type": {"const": "function"},
+                "function": {
+                    "type": "object",
+                    "properties": {"name": {"type": "string"}},
+                    "required": ["name"],
+                },
+            },
+            "required": ["type", "function"],
+        },
+    ],
+    "description": "'required' and a named function need tools (that include the function)",
+}
+RESPONSE_FORMAT_SCHEMA = {
+    "anyOf": [
+        {"type": "object", "properties": {"type": {"const": "text"}}},
+        {
+            "type": "object",
+            "properties": {"type": {"const": "json_object"}},
+            "required": ["type"],
+        },
+        {
+            "type": "object",
+            "properties": {
+                "type": {"const": "json_schema"},
+                "json_schema": {
+                    "type": "object",
+                    "properties": {
+                        "name": {"type": "string"},
+                        "description": {"type": "string"},
+                        "schema": {"type": "object", "description": "a JSON Schema"},
+                        "strict": {"type": ["boolean", "null"]},
+                    },
+                },
+            },
+            "required": ["type", "json_schema"],
+        },
+    ],
+    "description": "text (the default when type is left out), json_object or json_schema",
+}
+
+
+def _whole_number(value: Any) -> Any:
+    # JSON Schema counts 2.0 as an integer; strict pydantic would not.
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+# On an integer field (after its Field constraints, so that the schema keeps them):
+# a JSON integer, or a number with no fraction (2.0), never `true`.
+WHOLE = BeforeValidator(_whole_number)
+
+
+# Keys the server sets itself (server/chat/prompts.py RESERVED_KWARGS); chat_template
+# is a client's own template, taken only where allow_client_chat_template is on.
+TEMPLATE_KWARGS_SCHEMA = {
+    "type": "object",
+    "properties": {"chat_template": {"type": ["string", "null"]}},
+    "propertyNames": {"not": {"enum": list(RESERVED_KWARGS)}},
+    "description": "extra variables for the chat template; chat_template (a Jinja template) "
+    "only where the server's allow_client_chat_template is on",
+}
+
+
+def only_value(value: Any, allowed: Any, message: str) -> Any:
+    """For a before-validator: None or `allowed` pass (1.0 for 1, as JSON Schema's
+    `const` compares; but `true` is not 1), anything else is refused with `message`."""
+    if value is None:
+        return value
+    if isinstance(value, bool) or isinstance(allowed, bool):
+        same = value is allowed
+    elif isinstance(allowed, int):
+        same = isinstance(value, (int, float)) and value == allowed
+    else:
+        same = type(value) is type(allowed) and value == allowed
+    if not same:
+        raise ValueError(message)
+    return value
 
 
 # -- shared request fields ------------------------------------------------------------
 
 
-class StreamOptions(BaseModel):
+class _Strict(BaseModel):
+    # The published schema's types are what the server takes: pydantic's lax mode
+    # would read `true` as 1 and "0.5" as a number.
+    model_config = ConfigDict(strict=True)
+
+
+class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(_Strict, DepthLimited):
     """Fields shared by /v1/chat/completions and /v1/completions."""
 
     model: str | None = Field(None, description="the served model id (default: the served model)")
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: Annotated[int, Field(ge=1), WHOLE] | None = Field(
+        None, description="prompt + max_tokens must fit the model's context"
+    )
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, ge=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1, description="0 or -1: off")
+    top_k: Annotated[int, Field(ge=-1), WHOLE] | None = Field(None, description="0 or -1: off")
     min_p: float | None = Field(None, ge=0.0, le=1.0)
-    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
-    stop: str | list[str] | None = None
+    # Bounds a JSON double holds exactly (the document's numbers are doubles): a
+    # signed or an unsigned 64-bit seed.
+    seed: Annotated[int, Field(ge=-(2**63), lt=2**64), WHOLE] | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, gt=0.0)
-    logit_bias: dict[str, float] | None = None
-    n: int | None = None
+    logit_bias: Annotated[dict[str, float], WithJsonSchema(LOGIT_BIAS_SCHEMA)] | None = None
+    # The server's max_batch bounds it (a 400 naming n above): all choices decode together.
+    n: Annotated[int, Field(ge=1), WHOLE] | None = Field(
+        None, description="choices to generate (at most the server's max_batch)"
+    )
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
 
-    @model_validator(mode="before")
+    @field_validator("stop", mode="before")
     @classmethod
-    def _not_too_deep(cls, data: Any) -> Any:
-        # Before any field is read: later steps (templates, schemas, dumps) recurse.
-        if nested_deeper_than(data, MAX_JSON_DEPTH):
-            raise ValueError(too_deep_message())
-        return data
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, value: int | None) -> int | None:
-        if value is not None and value != 1:
-            raise ValueError("only n=1 is supported")
-        return value
-
-    @field_validator("stop")
-    @classmethod
-    def _stops(cls, value: str | list[str] | None) -> str | list[str] | None:
+    def _stops(cls, value: Any) -> Any:
         if isinstance(value, list) and len(value) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
         return value
 
-    @field_validator("logit_bias")
+    @field_validator("logit_bias", mode="before")
     @classmethod
-    def _bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        for key, bias in (value or {}).items():
+    def _bias(cls, value: Any) -> Any:
+        for key, bias in (value or {}).items() if isinstance(value, dict) else ():
             if not TOKEN_ID_KEY.fullmatch(key):
                 shown = key if len(key) <= 20 else key[:20] + "..."
                 raise ValueError(f"keys must be token ids (integers as strings), got {shown!r}")
-            if not -100.0 <= bias <= 100.0:
+            number = isinstance(bias, (int, float)) and not isinstance(bias, bool)
+            if number and not -100.0 <= bias <= 100.0:
                 raise ValueError(f"bias for token {key} is {bias}; it must be in [-100, 100]")
         return value
 
@@ -106,32 +203,40 @@ class SamplingFields(BaseModel):
 # -- chat request ----------------------------------------------------------------------
 
 
-class ContentPart(BaseModel):
+class ContentPart(_Strict):
     """A part of a message's content. Only text parts are accepted."""
 
     model_config = ConfigDict(extra="allow")
-    type: str
-    text: str | None = None
+    type: Literal["text"]
+    text: str
 
-    @model_validator(mode="after")
-    def _text_only(self) -> ContentPart:
-        if self.type != "text":
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data: Any) -> Any:
+        kind = data.get("type") if isinstance(data, dict) else None
+        if isinstance(kind, str) and kind != "text":
             # repr: the type may hold a lone surrogate, which the error could not carry.
             raise ValueError(
-                f"content part type {self.type[:40]!r} is not supported: this server accepts "
-                "text only"
+                f"content part type {kind[:40]!r} is not supported: this server accepts text only"
             )
-        if self.text is None:
+        if kind == "text" and data.get("text") is None:
             raise ValueError("a text content part needs 'text'")
-        return self
+        return data
 
 
 Content = str | list[ContentPart]
 
 
-class FunctionCall(BaseModel):
+# A string holding a JSON object (contentSchema is an annotation: no JSON Schema
+# validator asserts it, so this is one of the checks beyond the schema).
+JSON_OBJECT_TEXT = {"contentMediaType": "application/json", "contentSchema": {"type": "object"}}
+
+
+class FunctionCall(_Strict):
     name: str
-    arguments: str | dict[str, Any] = ""
+    arguments: Annotated[str, Field(json_schema_extra=JSON_OBJECT_TEXT)] | dict[str, Any] = Field(
+        "", description="a JSON object, or a string holding one (or an empty string)"
+    )
 
     @field_validator("arguments")
     @classmethod
@@ -147,13 +252,13 @@ class FunctionCall(BaseModel):
         return value
 
 
-class ToolCall(BaseModel):
+class ToolCall(_Strict):
     id: str | None = None
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class _Message(BaseModel):
+class _Message(_Strict):
     # Unknown keys pass through to the chat template (some use e.g. reasoning_content).
     model_config = ConfigDict(extra="allow")
     name: str | None = None
@@ -192,16 +297,16 @@ ChatMessageIn = Annotated[
 ]
 
 
-class FunctionDefinition(BaseModel):
+class FunctionDefinition(_Strict):
     model_config = ConfigDict(extra="allow")
     # Names end up inside tool-call markup and parsers' regexes: keep them plain.
     name: str = Field(..., min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
     description: str | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: dict[str, Any] | None = Field(None, description="a JSON Schema")
     strict: bool | None = None
 
 
-class ToolDefinition(BaseModel):
+class ToolDefinition(_Strict):
     model_config = ConfigDict(extra="allow")
     type: Literal["function"] = "function"
     function: FunctionDefinition
@@ -209,23 +314,67 @@ class ToolDefinition(BaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessageIn] = Field(..., min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: Annotated[int, Field(ge=1), WHOLE] | None = Field(
+        None, description="prompt + max_completion_tokens must fit the model's context"
+    )
     # Rendered into the chat template; parsing tool calls out of the output is
     # the output processor's job (server/chat/output.py).
     tools: list[ToolDefinition] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    # Plain JSON for the chat pipeline (server/chat/structured.py reads it), checked
+    # here against the published shape.
+    tool_choice: Annotated[str | dict[str, Any], WithJsonSchema(TOOL_CHOICE_SCHEMA)] | None = None
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-    logprobs: bool | None = None
-    # Strict: JSON `false` is not 0 (pydantic's lax mode reads booleans as ints).
-    top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
+    response_format: Annotated[dict[str, Any], WithJsonSchema(RESPONSE_FORMAT_SCHEMA)] | None = None
+    # Its keys are checked where the template renders (server/chat/prompts.py), for
+    # every dialect, as the schema states.
+    chat_template_kwargs: (
+        Annotated[dict[str, Any], WithJsonSchema(TEMPLATE_KWARGS_SCHEMA)] | None
+    ) = None
+    logprobs: bool | None = Field(
+        None, description="each generated token's logprob in choices[].logprobs.content"
+    )
+    # Above 0 only with logprobs: true (a 400 naming top_logprobs otherwise, as OpenAI).
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS), WHOLE] | None = Field(
+        None, description="the most likely tokens listed at each position; needs logprobs"
+    )
 
-    @field_validator("logprobs")
+    @field_validator("tool_choice", mode="before")
     @classmethod
-    def _no_logprobs(cls, value: bool | None) -> bool | None:
-        if value:
-            raise ValueError("logprobs are not supported")
+    def _tool_choice(cls, value: Any) -> Any:
+        if value is None or value in ("none", "auto", "required"):
+            return value
+        if isinstance(value, str):
+            raise ValueError(f"must be 'auto', 'none', 'required' or a function, not {value!r}")
+        function = value.get("function") if isinstance(value, dict) else None
+        if not (
+            isinstance(value, dict)
+            and value.get("type") == "function"
+            and isinstance(function, dict)
+            and isinstance(function.get("name"), str)
+        ):
+            raise ValueError(
+                'a named tool_choice is {"type": "function", "function": {"name": ...}}'
+            )
+        return value
+
+    @field_validator("response_format", mode="before")
+    @classmethod
+    def _response_format(cls, value: Any) -> Any:
+        if not isinstance(value, dict):
+            return value  # null, or not an object: the type check answers
+        kind = value.get("type", "text")
+        if kind not in ("text", "json_object", "json_schema"):
+            shown = repr(kind)[:40]
+            raise ValueError(f"type {shown} is not supported (text, json_object, json_schema)")
+        if kind != "json_schema":
+            return value
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict):
+            raise ValueError("json_schema needs {'json_schema': {'name': ..., 'schema': {...}}}")
+        expected = {"name": str, "description": str, "schema": dict, "strict": (bool, type(None))}
+        for key, kinds in expected.items():
+            if key in spec and not isinstance(spec[key], kinds):
+                raise ValueError(f"json_schema.{key} has the wrong type")
         return value
 
     @property
@@ -236,40 +385,6 @@ class ChatCompletionRequest(SamplingFields):
 
 
 # -- completions request ---------------------------------------------------------------
-
-
-# The server refuses an empty prompt, so the schema says so.
-PromptText = Annotated[str, Field(min_length=1)]
-
-
-class CompletionRequest(SamplingFields):
-    # Token ids are strict ints: `[[false]]` is not token id 0.
-    prompt: PromptText | list[PromptText] | list[StrictInt] | list[list[StrictInt]]
-    echo: bool | None = False
-    suffix: str | None = None
-    best_of: int | None = None
-    logprobs: StrictInt | None = Field(None, ge=0, le=5)
-
-    @field_validator("prompt")
-    @classmethod
-    def _one_prompt(cls, value: Any) -> Any:
-        if isinstance(value, list) and not value:
-            raise ValueError("prompt must not be empty")
-        if isinstance(value, list) and isinstance(value[0], (str, list)) and len(value) != 1:
-            raise ValueError(f"exactly one prompt is supported, got {len(value)}")
-        return value
-
-    @model_validator(mode="after")
-    def _unsupported(self) -> CompletionRequest:
-        if self.echo:
-            raise ValueError("echo is not supported")
-        if self.suffix:
-            raise ValueError("suffix is not supported")
-        if self.best_of not in (None, 1):
-            raise ValueError("only best_of=1 is supported")
-        if self.logprobs is not None:  # 0 asks for the sampled token's logprob: refused too
-            raise ValueError("logprobs are not supported")
-        return self
 
 
 # -- responses -------------------------------------------------------------------------
@@ -286,9 +401,14 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
 
-def _drop_none(handler: SerializerFunctionWrapHandler, obj: BaseModel, keep: set[str]) -> Any:
-    data = handler(obj)
-    return {k: v for k, v in data.items() if v is not None or k in keep}
+def _is_none(value: Any) -> bool:
+    return value is None
+
+
+def omitted() -> Any:
+    """An optional field left out of a response when it has no value (the published
+    schema names it, as optional)."""
+    return Field(None, exclude_if=_is_none)
 
 
 class FunctionCallOut(BaseModel):
@@ -305,19 +425,31 @@ class ToolCallOut(BaseModel):
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
-    reasoning_content: str | None = None
-    tool_calls: list[ToolCallOut] | None = None
+    reasoning_content: str | None = omitted()
+    tool_calls: list[ToolCallOut] | None = omitted()
 
-    @model_serializer(mode="wrap")
-    def _serialize(self, handler: SerializerFunctionWrapHandler) -> Any:
-        return _drop_none(handler, self, keep={"content"})
+
+class TopLogprob(BaseModel):
+    token: str = Field(description="the token's text (U+FFFD for an incomplete character)")
+    logprob: float = Field(description="-9999.0 for a token too unlikely to have a value")
+    bytes: list[int] | None = Field(None, description="the token's UTF-8 bytes")
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(
+        description="the most likely tokens at this position, most likely first"
+    )
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprob] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int = 0
     message: ChatMessageOut
     finish_reason: str
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletion(BaseModel):
@@ -331,43 +463,31 @@ class ChatCompletion(BaseModel):
 
 
 class FunctionDelta(BaseModel):
-    name: str | None = None
-    arguments: str | None = None
-
-    @model_serializer(mode="wrap")
-    def _serialize(self, handler: SerializerFunctionWrapHandler) -> Any:
-        return _drop_none(handler, self, keep=set())
+    name: str | None = omitted()
+    arguments: str | None = omitted()
 
 
 class ToolCallDelta(BaseModel):
     index: int
-    id: str | None = None
-    type: Literal["function"] | None = None
-    function: FunctionDelta | None = None
-
-    @model_serializer(mode="wrap")
-    def _serialize(self, handler: SerializerFunctionWrapHandler) -> Any:
-        return _drop_none(handler, self, keep={"index"})
+    id: str | None = omitted()
+    type: Literal["function"] | None = omitted()
+    function: FunctionDelta | None = omitted()
 
 
 class ChatDelta(BaseModel):
     """One streamed piece of the assistant message; fields left None are not sent."""
 
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    reasoning_content: str | None = None
-    tool_calls: list[ToolCallDelta] | None = None
-
-    @model_serializer(mode="wrap")
-    def _serialize(self, handler: SerializerFunctionWrapHandler) -> Any:
-        return _drop_none(handler, self, keep=set())
+    role: Literal["assistant"] | None = omitted()
+    content: str | None = omitted()
+    reasoning_content: str | None = omitted()
+    tool_calls: list[ToolCallDelta] | None = omitted()
 
 
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -376,25 +496,6 @@ class ChatCompletionChunk(BaseModel):
     created: int
     model: str
     choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-    system_fingerprint: str | None = None
-
-
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    finish_reason: str | None = None
-    logprobs: None = None
-
-
-class Completion(BaseModel):
-    """Both the /v1/completions response and its stream chunks (same object type)."""
-
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
     usage: Usage | None = None
     system_fingerprint: str | None = None
 

@@ -19,6 +19,7 @@ from pydantic import BaseModel, Field
 
 from flashserve.engine.generation.worker import Engine
 from flashserve.server.http.deps import EngineDep, ReadyModel
+from flashserve.server.http.errors import error_responses
 
 router = APIRouter(tags=["cache"])
 
@@ -173,7 +174,12 @@ def _prompt_cache_view(engine: Engine) -> PromptCacheView | None:
     return None if cache is None else PromptCacheView(**cache.snapshot())
 
 
-@router.get("/cache/stats", response_model=CacheStatsResponse, response_model_exclude_none=False)
+@router.get(
+    "/cache/stats",
+    response_model=CacheStatsResponse,
+    response_model_exclude_none=False,
+    responses=error_responses(400, 503),
+)
 @router.get("/v1/cache/stats", response_model=CacheStatsResponse, include_in_schema=False)
 async def cache_stats(
     _: ReadyModel,
@@ -183,7 +189,9 @@ async def cache_stats(
     return stats_response(engine, layers)
 
 
-@router.post("/cache/stats/reset", response_model=CacheStatsResponse)
+@router.post(
+    "/cache/stats/reset", response_model=CacheStatsResponse, responses=error_responses(503)
+)
 @router.post("/v1/cache/stats/reset", response_model=CacheStatsResponse, include_in_schema=False)
 async def reset_window(loaded: ReadyModel, engine: EngineDep) -> CacheStatsResponse:
     offload = getattr(loaded, "experts", None)

@@ -15,14 +15,24 @@ from flashserve.server.http.deps import (
     check_model,
     vocab_size,
 )
+from flashserve.server.http.errors import error_responses
+from flashserve.server.http.openapi import event_stream
 from flashserve.server.openai.chat import create_chat_completion
-from flashserve.server.openai.protocol import ChatCompletion, ChatCompletionRequest
+from flashserve.server.openai.protocol import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+)
 from flashserve.server.settings import Settings
 
 router = APIRouter(tags=["chat"])
 
 
-@router.post("/v1/chat/completions", response_model=ChatCompletion)
+@router.post(
+    "/v1/chat/completions",
+    response_model=ChatCompletion,
+    responses={**event_stream(ChatCompletionChunk), **error_responses(400, 404, 429, 503)},
+)
 async def chat_completions(
     body: ChatCompletionRequest,
     request: Request,

@@ -7,13 +7,19 @@ from sse_starlette import EventSourceResponse
 
 from flashserve.server.chat.prompts import prompt_limits
 from flashserve.server.http.deps import EngineDep, ReadyModel, SettingsDep, check_model, vocab_size
+from flashserve.server.http.errors import error_responses
+from flashserve.server.http.openapi import event_stream
 from flashserve.server.openai.completions import create_completion
-from flashserve.server.openai.protocol import Completion, CompletionRequest
+from flashserve.server.openai.completions_protocol import Completion, CompletionRequest
 
 router = APIRouter(tags=["completions"])
 
 
-@router.post("/v1/completions", response_model=Completion)
+@router.post(
+    "/v1/completions",
+    response_model=Completion,
+    responses={**event_stream(Completion), **error_responses(400, 404, 429, 503)},
+)
 async def completions(
     body: CompletionRequest,
     request: Request,

@@ -14,6 +14,7 @@ from pydantic import BaseModel, Field
 from flashserve.engine.generation.worker import Engine
 from flashserve.engine.streaming.memory import memory_report
 from flashserve.server.http.deps import EngineDep, ReadyModel
+from flashserve.server.http.errors import error_responses
 
 router = APIRouter(tags=["memory"])
 
@@ -51,13 +52,17 @@ class MemoryResponse(BaseModel):
     streaming_buffer_bytes: int = Field(description="streamed-layer weights in flight")
     kv_cache_bytes: int = Field(description="KV cache and recurrent state of active requests")
     prompt_cache_bytes: int = Field(description="cached prompt states kept for prefix reuse")
+    layer_bytes_read: list[int] = Field(
+        description="bytes read from disk per decoder layer since start: streamed layer files "
+        "(offloaded experts: per layer in /cache/stats)"
+    )
     shedding_events: list[dict] = Field(description="resident layers shed under pressure")
     plan: dict | None = Field(description="the residency plan and its inputs; null: all resident")
     streaming: dict | None = Field(description="streamed-layer counters; null: all resident")
     batch: BatchView
 
 
-@router.get("/memory", response_model=MemoryResponse)
+@router.get("/memory", response_model=MemoryResponse, responses=error_responses(503))
 def get_memory(loaded: ReadyModel, engine: EngineDep) -> MemoryResponse:
     stats = engine.stats
     report = memory_report(
@@ -81,11 +86,13 @@ def metric_numbers(engine: Engine) -> dict[str, Any]:
     loaded = getattr(engine, "loaded", None)
     if loaded is None:
         return {}
-    return memory_report(
+    report = memory_report(
         loaded,
         kv_cache_bytes=engine.stats.kv_cache_bytes,
         prompt_cache_bytes=_prompt_cache_bytes(engine),
     ).to_dict()
+    report.pop("layer_bytes_read")  # one number per layer; its sum is streaming_bytes_read
+    return report
 
 
 def _prompt_cache_bytes(engine: Engine) -> int:

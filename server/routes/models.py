@@ -6,6 +6,7 @@ from fastapi import APIRouter, Request
 
 from flashserve.engine.weights.model import LoadedModel
 from flashserve.server.http.deps import ReadyModel, SettingsDep, check_model
+from flashserve.server.http.errors import error_responses
 from flashserve.server.openai.protocol import ModelCard, ModelList
 
 router = APIRouter(tags=["models"])
@@ -19,12 +20,14 @@ def _card(request: Request, loaded: LoadedModel) -> ModelCard:
     )
 
 
-@router.get("/v1/models", response_model=ModelList)
+@router.get("/v1/models", response_model=ModelList, responses=error_responses(503))
 async def list_models(request: Request, loaded: ReadyModel) -> ModelList:
     return ModelList(data=[_card(request, loaded)])
 
 
-@router.get("/v1/models/{model_id:path}", response_model=ModelCard)
+@router.get(
+    "/v1/models/{model_id:path}", response_model=ModelCard, responses=error_responses(404, 503)
+)
 async def get_model(
     model_id: str,
     request: Request,

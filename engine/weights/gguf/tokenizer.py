@@ -12,7 +12,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from flashserve.engine.weights.gguf_file import GGUFError, meta
+from flashserve.engine.weights.gguf.container import GGUFError, meta
 
 # ggml token types (llama.cpp's llama_token_type)
 log = logging.getLogger(__name__)
@@ -28,6 +28,12 @@ _LLAMA3_REGEX = (
 _QWEN2_REGEX = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"""
     r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+# Mistral's tekken (Nemo, Small 3): case-aware words, single digits
+_TEKKEN_REGEX = (
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"""
+    r"""|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"""
+    r"""|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
 _DIGIT_SPLIT_PRES = ("smollm", "starcoder", "refact")
 _LLAMA3_PRES = ("llama-bpe", "llama3", "dbrx", "smaug-bpe")
@@ -69,6 +75,7 @@ def _byte_level_pre_tokenizer(pre: str | None) -> Any:
     regex = {
         **dict.fromkeys(_LLAMA3_PRES, _LLAMA3_REGEX),
         **dict.fromkeys(_QWEN2_PRES, _QWEN2_REGEX),
+        "tekken": _TEKKEN_REGEX,
     }.get(pre or "")
     if regex is None:
         if pre not in _GPT2_PRES and pre is not None:

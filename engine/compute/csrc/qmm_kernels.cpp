@@ -1,0 +1,417 @@
+// The kernel behind qmm_kernels.h: unpack 32 values at a time into float
+// registers, dequantize them with the group's scale and bias (one FMA), and
+// accumulate them against up to four rows of x. Columns are split over a small
+// pool of threads; each column is computed by one thread in a fixed order.
+//
+// The vector code is compiled for AVX2 + FMA + F16C through function target
+// attributes, so this file builds and loads on any x86-64 CPU; the Python side
+// asks cpu_supported() before it routes anything here.
+#include "qmm_kernels.h"
+
+#include <immintrin.h>
+#include <sched.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#define QMM_TARGET __attribute__((target("avx2,fma,f16c")))
+
+namespace flashserve_qmm {
+namespace {
+
+constexpr int CHUNK = 32;  // values unpacked at once; every group size is a multiple
+
+// ---------------------------------------------------------------- scales
+
+template <ScaleType ST>
+QMM_TARGET inline float scale_at(const void* p, int64_t i) {
+  if constexpr (ST == ScaleType::f32) {
+    return static_cast<const float*>(p)[i];
+  } else if constexpr (ST == ScaleType::f16) {
+    return _cvtsh_ss(static_cast<const uint16_t*>(p)[i]);
+  } else {
+    uint32_t u = uint32_t(static_cast<const uint16_t*>(p)[i]) << 16;
+    float f;
+    std::memcpy(&f, &u, sizeof(f));
+    return f;
+  }
+}
+
+// ---------------------------------------------------------------- decoders
+// Each turns the 32 values starting at value k0 of a row into four vectors of
+// 8 floats, q[0..3]. The 4-bit decoder yields them in "nibble order" (even
+// values, then odd ones); x is permuted to match once per call (prepare_x).
+
+struct Decode4 {
+  static constexpr bool permuted = true;
+  QMM_TARGET static inline void run(const uint8_t* row, int k0, __m256 q[4]) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k0 / 2));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(b, mask);
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+    q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+    q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+    q[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+    q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+  }
+};
+
+struct Decode8 {
+  static constexpr bool permuted = false;
+  QMM_TARGET static inline void run(const uint8_t* row, int k0, __m256 q[4]) {
+    const uint8_t* p = row + k0;
+    for (int j = 0; j < 4; ++j) {
+      const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * j));
+      q[j] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
+    }
+  }
+};
+
+// Any width from 2 to 8 bits: MLX packs each row as one little-endian bit
+// stream (3, 5 and 6 bits cross byte boundaries), so value i starts at bit
+// i * bits. 32 values take exactly 4 * bits bytes; they are copied into a
+// padded buffer so no read passes the row's end.
+template <int BITS>
+struct DecodeBits {
+  static constexpr bool permuted = false;
+  QMM_TARGET static inline void run(const uint8_t* row, int k0, __m256 q[4]) {
+    uint8_t bytes[4 * BITS + 2] = {};
+    std::memcpy(bytes, row + (int64_t(k0) * BITS) / 8, 4 * BITS);
+    alignas(32) int32_t v[CHUNK];
+    for (int i = 0; i < CHUNK; ++i) {
+      const int bit = i * BITS;
+      const uint32_t word = uint32_t(bytes[bit >> 3]) | (uint32_t(bytes[(bit >> 3) + 1]) << 8);
+      v[i] = int32_t((word >> (bit & 7)) & ((1u << BITS) - 1));
+    }
+    for (int j = 0; j < 4; ++j) {
+      q[j] = _mm256_cvtepi32_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(v + 8 * j)));
+    }
+  }
+};
+
+QMM_TARGET inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// ---------------------------------------------------------------- tiles
+// MR rows of x against NC columns of W. Each (row, column) pair has two
+// accumulators, fed in the same order whatever MR and NC are: that is what
+// keeps a row's result independent of the batch it is computed in.
+
+template <int MR, int NC, class D, ScaleType ST>
+QMM_TARGET void tile(const QmmProblem& p, const float* xs, int m0, int n0) {
+  __m256 acc[MR][NC][2];
+  for (int m = 0; m < MR; ++m) {
+    for (int c = 0; c < NC; ++c) {
+      acc[m][c][0] = _mm256_setzero_ps();
+      acc[m][c][1] = _mm256_setzero_ps();
+    }
+  }
+  const int groups = p.K / p.group_size;
+  const int chunks = p.group_size / CHUNK;
+  const uint8_t* rows[NC];
+  for (int c = 0; c < NC; ++c) {
+    rows[c] = reinterpret_cast<const uint8_t*>(p.w + int64_t(n0 + c) * p.w_stride);
+  }
+  for (int g = 0; g < groups; ++g) {
+    float sc[NC], bi[NC];
+    for (int c = 0; c < NC; ++c) {
+      const int64_t at = int64_t(n0 + c) * p.s_stride + g;
+      sc[c] = scale_at<ST>(p.scales, at);
+      bi[c] = scale_at<ST>(p.biases, at);
+    }
+    for (int h = 0; h < chunks; ++h) {
+      const int k0 = g * p.group_size + h * CHUNK;
+      for (int c = 0; c < NC; ++c) {
+        __m256 q[4];
+        D::run(rows[c], k0, q);
+        const __m256 s = _mm256_set1_ps(sc[c]);
+        const __m256 b = _mm256_set1_ps(bi[c]);
+        const __m256 w0 = _mm256_fmadd_ps(q[0], s, b);
+        const __m256 w1 = _mm256_fmadd_ps(q[1], s, b);
+        const __m256 w2 = _mm256_fmadd_ps(q[2], s, b);
+        const __m256 w3 = _mm256_fmadd_ps(q[3], s, b);
+        for (int m = 0; m < MR; ++m) {
+          const float* xr = xs + int64_t(m0 + m) * p.K + k0;
+          acc[m][c][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xr), w0, acc[m][c][0]);
+          acc[m][c][1] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 16), w2, acc[m][c][1]);
+          acc[m][c][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), w1, acc[m][c][0]);
+          acc[m][c][1] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), w3, acc[m][c][1]);
+        }
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    for (int c = 0; c < NC; ++c) {
+      p.out[int64_t(m0 + m) * p.out_stride + n0 + c] =
+          hsum(_mm256_add_ps(acc[m][c][0], acc[m][c][1]));
+    }
+  }
+}
+
+// Columns [n_begin, n_end) for every row. Columns go in blocks small enough
+// that a block's packed weights stay in cache while every row tile uses them.
+template <class D, ScaleType ST>
+QMM_TARGET void columns(const QmmProblem& p, const float* xs, int n_begin, int n_end) {
+  const int64_t row_bytes = int64_t(p.K) * p.bits / 8;
+  const int block = int(std::max<int64_t>(8, (48 * 1024) / std::max<int64_t>(1, row_bytes)));
+  for (int nb = n_begin; nb < n_end; nb += block) {
+    const int ne = std::min(n_end, nb + block);
+    for (int m0 = 0; m0 < p.M;) {
+      const int mr = std::min(4, p.M - m0);
+      int n = nb;
+      switch (mr) {
+        case 1:
+          for (; n + 4 <= ne; n += 4) tile<1, 4, D, ST>(p, xs, m0, n);
+          for (; n < ne; ++n) tile<1, 1, D, ST>(p, xs, m0, n);
+          break;
+        case 2:
+          for (; n + 2 <= ne; n += 2) tile<2, 2, D, ST>(p, xs, m0, n);
+          for (; n < ne; ++n) tile<2, 1, D, ST>(p, xs, m0, n);
+          break;
+        case 3:
+          for (; n < ne; ++n) tile<3, 1, D, ST>(p, xs, m0, n);
+          break;
+        default:
+          for (; n < ne; ++n) tile<4, 1, D, ST>(p, xs, m0, n);
+          break;
+      }
+      m0 += mr;
+    }
+  }
+}
+
+using ColumnsFn = void (*)(const QmmProblem&, const float*, int, int);
+
+template <ScaleType ST>
+ColumnsFn pick_bits(int bits) {
+  switch (bits) {
+    case 2: return columns<DecodeBits<2>, ST>;
+    case 3: return columns<DecodeBits<3>, ST>;
+    case 4: return columns<Decode4, ST>;
+    case 5: return columns<DecodeBits<5>, ST>;
+    case 6: return columns<DecodeBits<6>, ST>;
+    case 8: return columns<Decode8, ST>;
+    default: return nullptr;
+  }
+}
+
+ColumnsFn pick(int bits, ScaleType st) {
+  switch (st) {
+    case ScaleType::f32: return pick_bits<ScaleType::f32>(bits);
+    case ScaleType::f16: return pick_bits<ScaleType::f16>(bits);
+    default: return pick_bits<ScaleType::bf16>(bits);
+  }
+}
+
+// x rows, contiguous, in the order the decoder yields values: for 4 bits each
+// chunk of 32 becomes x[0, 2, .., 14], x[16, .., 30], x[1, .., 15], x[17, .., 31].
+void prepare_x(const QmmProblem& p, bool permuted, std::vector<float>& buf) {
+  buf.resize(size_t(p.M) * p.K);
+  for (int m = 0; m < p.M; ++m) {
+    const float* src = p.x[m];
+    float* dst = buf.data() + int64_t(m) * p.K;
+    if (!permuted) {
+      std::memcpy(dst, src, sizeof(float) * p.K);
+      continue;
+    }
+    for (int k0 = 0; k0 < p.K; k0 += CHUNK) {
+      for (int i = 0; i < 8; ++i) {
+        dst[k0 + i] = src[k0 + 2 * i];
+        dst[k0 + 8 + i] = src[k0 + 16 + 2 * i];
+        dst[k0 + 16 + i] = src[k0 + 2 * i + 1];
+        dst[k0 + 24 + i] = src[k0 + 16 + 2 * i + 1];
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------- threads
+// A few workers that spin briefly between jobs (a decode step issues matmuls
+// back to back, tens of microseconds apart), then sleep on a condition
+// variable. A job is a number of parts claimed one at a time from a counter;
+// the calling thread claims parts too, so a worker that is not scheduled in
+// time (a busy machine) costs nothing: the caller does its parts instead.
+
+struct Job {
+  const std::function<void(int)>* fn;
+  int parts;
+  std::atomic<int> next{0};
+  std::atomic<int> done{0};
+  std::atomic<int> users{0};  // workers holding a pointer to this job
+};
+
+inline void work_on(Job& job) {
+  for (;;) {
+    const int part = job.next.fetch_add(1, std::memory_order_relaxed);
+    if (part >= job.parts) return;
+    (*job.fn)(part);
+    job.done.fetch_add(1, std::memory_order_release);
+  }
+}
+
+// Spin on `ready` with pause, then with yields, so a waiting thread gives its
+// core away when the machine is oversubscribed.
+template <class F>
+inline void wait_until(F ready) {
+  for (int spin = 0; !ready(); ++spin) {
+    if (spin < 4096) {
+      _mm_pause();
+    } else {
+      std::this_thread::yield();
+    }
+  }
+}
+
+class Pool {
+ public:
+  explicit Pool(int size) : size_(size) {
+    for (int i = 1; i < size_; ++i) workers_.emplace_back([this] { loop(); });
+  }
+  ~Pool() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+      gen_.fetch_add(1);
+    }
+    cv_.notify_all();
+    for (auto& t : workers_) t.join();
+  }
+  int size() const { return size_; }
+
+  void run(int parts, const std::function<void(int)>& fn) {
+    Job job;
+    job.fn = &fn;
+    job.parts = parts;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      current_ = &job;
+      gen_.fetch_add(1, std::memory_order_release);
+    }
+    cv_.notify_all();
+    work_on(job);
+    wait_until([&] { return job.done.load(std::memory_order_acquire) == parts; });
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      current_ = nullptr;
+    }
+    wait_until([&] { return job.users.load(std::memory_order_acquire) == 0; });
+  }
+
+ private:
+  void loop() {
+    uint64_t seen = gen_.load();
+    for (;;) {
+      seen = wait_for_job(seen);
+      Job* job;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (stop_) return;
+        job = current_;
+        if (job != nullptr) job->users.fetch_add(1);
+      }
+      if (job != nullptr) {
+        work_on(*job);
+        job->users.fetch_sub(1, std::memory_order_release);
+      }
+    }
+  }
+
+  uint64_t wait_for_job(uint64_t seen) {
+    using clock = std::chrono::steady_clock;
+    const auto until = clock::now() + std::chrono::microseconds(200);
+    for (int spin = 0;; ++spin) {
+      const uint64_t g = gen_.load(std::memory_order_acquire);
+      if (g != seen) return g;
+      _mm_pause();
+      if ((spin & 255) == 255 && clock::now() > until) break;
+    }
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return gen_.load() != seen; });
+    return gen_.load();
+  }
+
+  int size_;
+  std::vector<std::thread> workers_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::atomic<uint64_t> gen_{0};
+  Job* current_ = nullptr;
+  bool stop_ = false;
+};
+
+std::mutex g_pool_mu;  // one problem on the pool at a time; others run alone
+std::unique_ptr<Pool> g_pool;
+int g_threads = 0;
+
+int cores() {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
+  return std::max(1u, std::thread::hardware_concurrency());
+}
+
+// Below this many packed weights a problem runs on the calling thread: waking
+// a worker costs more than it saves.
+constexpr int64_t PARALLEL_MIN_WEIGHTS = 256 * 1024;
+
+}  // namespace
+
+bool cpu_supported() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+         __builtin_cpu_supports("f16c");
+}
+
+bool shape_supported(int bits, int group_size, int K) {
+  const bool bits_ok = bits == 2 || bits == 3 || bits == 4 || bits == 5 || bits == 6 || bits == 8;
+  const bool group_ok = group_size == 32 || group_size == 64 || group_size == 128;
+  return bits_ok && group_ok && K > 0 && K % group_size == 0;
+}
+
+void set_threads(int n) {
+  std::lock_guard<std::mutex> lock(g_pool_mu);
+  g_threads = std::max(0, n);
+  g_pool.reset();
+}
+
+int threads() { return g_threads > 0 ? g_threads : cores(); }
+
+void qmm(const QmmProblem& p) {
+  const ColumnsFn fn = pick(p.bits, p.scale_type);
+  if (fn == nullptr || p.M <= 0 || p.N <= 0) return;
+  thread_local std::vector<float> xbuf;
+  prepare_x(p, p.bits == 4, xbuf);
+  const float* xs = xbuf.data();
+
+  const int want = threads();
+  const int64_t weights = int64_t(p.N) * p.K;
+  std::unique_lock<std::mutex> lock(g_pool_mu, std::defer_lock);
+  if (want > 1 && weights >= PARALLEL_MIN_WEIGHTS && p.N >= 8 * want && lock.try_lock()) {
+    if (!g_pool || g_pool->size() != want) g_pool = std::make_unique<Pool>(want);
+    // Parts of whole 4-column tiles, a few per thread so that a late worker
+    // leaves little for the others to wait on.
+    const int parts = std::max(1, std::min(4 * want, p.N / 16));
+    const int per = ((p.N + parts - 1) / parts + 3) / 4 * 4;
+    const std::function<void(int)> job = [&](int part) {
+      const int begin = part * per;
+      const int end = std::min(p.N, begin + per);
+      if (begin < end) fn(p, xs, begin, end);
+    };
+    g_pool->run(parts, job);
+    return;
+  }
+  fn(p, xs, 0, p.N);
+}
+
+}  // namespace flashserve_qmm

@@ -1,0 +1,52 @@
+// Quantized matmul for a few rows on x86-64 CPUs (AVX2 + FMA + F16C).
+//
+// y[m, n] = sum_k x[m, k] * (scale[n, g] * q[n, k] + bias[n, g]), g = k / group_size,
+// on MLX's affine-quantized weights as they lie in memory: each row of W is a
+// little-endian bit stream of `bits`-bit values packed into uint32 words, one
+// scale and one bias per group (float32, float16 or bfloat16). No float copy of
+// W is made: each chunk of 32 values is unpacked into registers and used at
+// once by every row of x.
+//
+// A row's result does not depend on how many rows are computed with it, nor on
+// the thread count: the order of its arithmetic is fixed per column. So a
+// request decodes the same numbers alone and in a batch.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace flashserve_qmm {
+
+enum class ScaleType : int { f32 = 0, f16 = 1, bf16 = 2 };
+
+struct QmmProblem {
+  const float* const* x;    // M rows of K contiguous floats
+  int M;
+  int K;
+  int N;
+  const uint32_t* w;        // N rows, w_stride words apart
+  int64_t w_stride;
+  const void* scales;       // N rows of K / group_size, s_stride elements apart
+  const void* biases;       // same layout as scales
+  int64_t s_stride;
+  ScaleType scale_type;
+  int bits;
+  int group_size;
+  float* out;               // M rows of N floats, out_stride apart
+  int64_t out_stride;
+};
+
+// True when this CPU runs the vectorized kernel (AVX2, FMA and F16C).
+bool cpu_supported();
+
+// Which bit widths and group sizes the kernel takes.
+bool shape_supported(int bits, int group_size, int K);
+
+// Computes the problem, spread over the pool's threads when it is large.
+void qmm(const QmmProblem& p);
+
+// Threads the kernel uses (the calling thread included); 0 means one per core.
+void set_threads(int n);
+int threads();
+
+}  // namespace flashserve_qmm

@@ -1,0 +1,320 @@
+// flashserve's quantized matmul as an MLX primitive (MLX's documented
+// extension mechanism): an array op that stays in MLX's lazy graph and runs
+// on MLX's CPU stream, bound to Python with nanobind in MLX's nanobind
+// domain so mx.array objects pass through unchanged.
+//
+//   qmm(x, w, scales, biases, group_size, bits) -> x @ dequantize(w).T
+//   gather_qmm(x, w, scales, biases, rows_expert, group_size, bits)
+//       row r of x (flattened to rows) against expert rows_expert[r] of a
+//       stacked (E, N, K * bits / 32) weight
+//
+// x is float32; w uint32; scales and biases float32, float16 or bfloat16.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+
+#include <algorithm>
+#include <cstring>
+#include <numeric>
+#include <sstream>
+#include <stdexcept>
+#include <vector>
+
+#include "mlx/allocator.h"
+#include "mlx/array.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+#include "mlx/stream.h"
+#include "mlx/utils.h"
+#include "mlx/version.h"
+#include "qmm_kernels.h"
+
+namespace nb = nanobind;
+namespace mx = mlx::core;
+using namespace nb::literals;
+
+namespace {
+
+using flashserve_qmm::QmmProblem;
+using flashserve_qmm::ScaleType;
+
+ScaleType scale_type_of(const mx::array& a) {
+  if (a.dtype() == mx::float32) return ScaleType::f32;
+  if (a.dtype() == mx::float16) return ScaleType::f16;
+  if (a.dtype() == mx::bfloat16) return ScaleType::bf16;
+  throw std::invalid_argument("flashserve qmm: scales must be float32, float16 or bfloat16");
+}
+
+// An input as rows of contiguous elements: returns the first row and sets
+// `stride`, the distance between rows in elements. Inputs whose rows are not
+// evenly spaced with unit inner stride (rare: a transposed view) are copied
+// into `keep`; so are all of them when `copy` is set.
+template <class T>
+const T* rows_of(const mx::array& a, int64_t rows, int64_t cols, int64_t& stride,
+                 std::vector<char>& keep, bool copy = false) {
+  const auto& shape = a.shape();
+  const auto& strides = a.strides();
+  const int nd = a.ndim();
+  if (!copy && a.flags().row_contiguous) {
+    stride = cols;
+    return a.data<T>();
+  }
+  bool even = nd >= 1 && (strides[nd - 1] == 1 || shape[nd - 1] == 1);
+  for (int d = nd - 2; d > 0 && even; --d) {
+    even = shape[d - 1] == 1 || strides[d - 1] == strides[d] * shape[d];
+  }
+  if (!copy && even) {
+    stride = nd >= 2 ? strides[nd - 2] : cols;
+    return a.data<T>();
+  }
+  keep.resize(size_t(rows * cols) * sizeof(T));
+  T* dst = reinterpret_cast<T*>(keep.data());
+  const T* src = a.data<T>();
+  std::vector<int64_t> index(nd, 0);
+  for (int64_t i = 0; i < rows * cols; ++i) {
+    int64_t offset = 0;
+    for (int d = 0; d < nd; ++d) offset += index[d] * strides[d];
+    dst[i] = src[offset];
+    for (int d = nd - 1; d >= 0; --d) {
+      if (++index[d] < shape[d]) break;
+      index[d] = 0;
+    }
+  }
+  stride = cols;
+  return dst;
+}
+
+// x as M row pointers (rows of K contiguous floats). Any layout whose last
+// dimension is contiguous (slices, broadcasts) is used in place; otherwise
+// the rows are copied into `keep`.
+std::vector<const float*> x_rows(const mx::array& x, int64_t M, int K, std::vector<char>& keep) {
+  std::vector<const float*> rows(M);
+  const float* base = x.data<float>();
+  const int nd = x.ndim();
+  if (x.flags().row_contiguous) {
+    for (int64_t m = 0; m < M; ++m) rows[m] = base + m * K;
+    return rows;
+  }
+  if (x.strides()[nd - 1] != 1 && K > 1) {
+    int64_t stride = 0;
+    base = rows_of<float>(x, M, K, stride, keep, true);
+    for (int64_t m = 0; m < M; ++m) rows[m] = base + m * K;
+    return rows;
+  }
+  std::vector<int64_t> index(std::max(nd - 1, 0), 0);
+  for (int64_t m = 0; m < M; ++m) {
+    int64_t offset = 0;
+    for (int d = 0; d < nd - 1; ++d) offset += index[d] * x.strides()[d];
+    rows[m] = base + offset;
+    for (int d = nd - 2; d >= 0; --d) {
+      if (++index[d] < x.shape(d)) break;
+      index[d] = 0;
+    }
+  }
+  return rows;
+}
+
+class FlashserveQMM : public mx::UnaryPrimitive {
+ public:
+  FlashserveQMM(mx::Stream stream, int group_size, int bits, bool gather)
+      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits), gather_(gather) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    const mx::array& x = inputs[0];
+    const mx::array& w = inputs[1];
+    const mx::array& scales = inputs[2];
+    const mx::array& biases = inputs[3];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (const auto& a : inputs) encoder.set_input_array(a);
+    encoder.set_output_array(out);
+    encoder.dispatch([x = mx::array::unsafe_weak_copy(x), w = mx::array::unsafe_weak_copy(w),
+                      scales = mx::array::unsafe_weak_copy(scales),
+                      biases = mx::array::unsafe_weak_copy(biases),
+                      index = mx::array::unsafe_weak_copy(gather_ ? inputs[4] : inputs[0]),
+                      out = mx::array::unsafe_weak_copy(out), gs = group_size_, bits = bits_,
+                      gather = gather_]() mutable {
+      compute(x, w, scales, biases, gather ? &index : nullptr, out, gs, bits);
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("flashserve qmm runs on the CPU stream only");
+  }
+
+  const char* name() const override { return "FlashserveQMM"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const FlashserveQMM&>(other);
+    return group_size_ == o.group_size_ && bits_ == o.bits_ && gather_ == o.gather_;
+  }
+
+ private:
+  static void compute(const mx::array& x, const mx::array& w, const mx::array& scales,
+                      const mx::array& biases, const mx::array* index, mx::array& out, int gs,
+                      int bits) {
+    const int K = x.shape(-1);
+    const int N = w.shape(-2);
+    const int64_t M = x.size() / K;
+    const int64_t words = w.shape(-1);
+    const int64_t groups = scales.shape(-1);
+    const int64_t experts = index ? w.shape(0) : 1;
+    std::vector<char> keep_x, keep_w, keep_s, keep_b;
+    int64_t w_stride, s_stride, b_stride;
+    const std::vector<const float*> xr = x_rows(x, M, K, keep_x);
+    const uint32_t* wp = rows_of<uint32_t>(w, experts * N, words, w_stride, keep_w);
+    const char* sp;
+    const char* bp;
+    const int64_t srows = experts * N;
+    if (scales.dtype() == mx::float32) {
+      sp = reinterpret_cast<const char*>(rows_of<float>(scales, srows, groups, s_stride, keep_s));
+      bp = reinterpret_cast<const char*>(rows_of<float>(biases, srows, groups, b_stride, keep_b));
+      if (s_stride != b_stride) {  // one layout for both: copy them
+        sp = reinterpret_cast<const char*>(rows_of<float>(scales, srows, groups, s_stride, keep_s, true));
+        bp = reinterpret_cast<const char*>(rows_of<float>(biases, srows, groups, b_stride, keep_b, true));
+      }
+    } else {
+      sp = reinterpret_cast<const char*>(rows_of<uint16_t>(scales, srows, groups, s_stride, keep_s));
+      bp = reinterpret_cast<const char*>(rows_of<uint16_t>(biases, srows, groups, b_stride, keep_b));
+      if (s_stride != b_stride) {
+        sp = reinterpret_cast<const char*>(rows_of<uint16_t>(scales, srows, groups, s_stride, keep_s, true));
+        bp = reinterpret_cast<const char*>(rows_of<uint16_t>(biases, srows, groups, b_stride, keep_b, true));
+      }
+    }
+    const size_t esize = scales.itemsize();
+
+    QmmProblem p{};
+    p.K = K;
+    p.N = N;
+    p.bits = bits;
+    p.group_size = gs;
+    p.scale_type = scale_type_of(scales);
+    p.w_stride = w_stride;
+    p.s_stride = s_stride;
+    float* op = out.data<float>();
+
+    if (index == nullptr) {
+      p.x = xr.data();
+      p.M = int(M);
+      p.w = wp;
+      p.scales = sp;
+      p.biases = bp;
+      p.out = op;
+      p.out_stride = N;
+      flashserve_qmm::qmm(p);
+      return;
+    }
+
+    // Gather: rows grouped by expert; each expert runs once on its rows. A
+    // row's arithmetic is the same as in the plain op (rows are independent).
+    const uint32_t* idx = index->data<uint32_t>();
+    std::vector<int64_t> order(M);
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int64_t a, int64_t b) { return idx[a] < idx[b]; });
+    std::vector<const float*> xg;
+    std::vector<float> yg;
+    for (int64_t start = 0; start < M;) {
+      const uint32_t e = idx[order[start]];
+      int64_t end = start;
+      while (end < M && idx[order[end]] == e) ++end;
+      if (e >= uint32_t(experts)) throw std::out_of_range("flashserve gather_qmm: expert index");
+      const int64_t rows = end - start;
+      xg.resize(rows);
+      yg.resize(size_t(rows) * N);
+      for (int64_t r = 0; r < rows; ++r) xg[r] = xr[order[start + r]];
+      p.x = xg.data();
+      p.M = int(rows);
+      p.w = wp + int64_t(e) * N * w_stride;
+      p.scales = sp + int64_t(e) * N * s_stride * esize;
+      p.biases = bp + int64_t(e) * N * s_stride * esize;
+      p.out = yg.data();
+      p.out_stride = N;
+      flashserve_qmm::qmm(p);
+      for (int64_t r = 0; r < rows; ++r) {
+        std::memcpy(op + order[start + r] * N, yg.data() + r * N, sizeof(float) * N);
+      }
+      start = end;
+    }
+  }
+
+  int group_size_;
+  int bits_;
+  bool gather_;
+};
+
+void check(bool ok, const char* what) {
+  if (!ok) throw std::invalid_argument(std::string("flashserve qmm: ") + what);
+}
+
+void check_weights(const mx::array& x, const mx::array& w, const mx::array& scales,
+                   const mx::array& biases, int group_size, int bits, int weight_ndim) {
+  check(x.dtype() == mx::float32, "x must be float32");
+  check(x.ndim() >= 1, "x must have at least one dimension");
+  check(w.dtype() == mx::uint32, "w must be uint32");
+  check(w.ndim() == weight_ndim, "w has the wrong number of dimensions");
+  check(scales.shape() == biases.shape(), "scales and biases differ in shape");
+  check(scales.dtype() == biases.dtype(), "scales and biases differ in dtype");
+  scale_type_of(scales);
+  const int K = x.shape(-1);
+  check(flashserve_qmm::shape_supported(bits, group_size, K), "unsupported bits or group size");
+  check(int64_t(w.shape(-1)) * 32 == int64_t(K) * bits, "w does not match x's last dimension");
+  check(scales.ndim() == w.ndim() && scales.shape(-2) == w.shape(-2) &&
+            scales.shape(-1) == K / group_size,
+        "scales do not match w");
+  for (int d = 0; d + 2 < w.ndim(); ++d) check(scales.shape(d) == w.shape(d), "scales do not match w");
+}
+
+mx::Stream cpu_stream() { return mx::default_stream(mx::Device(mx::Device::cpu)); }
+
+mx::array qmm(const mx::array& x, const mx::array& w, const mx::array& scales,
+              const mx::array& biases, int group_size, int bits) {
+  check_weights(x, w, scales, biases, group_size, bits, 2);
+  auto shape = x.shape();
+  shape.back() = w.shape(0);
+  return mx::array(shape, mx::float32,
+                   std::make_shared<FlashserveQMM>(cpu_stream(), group_size, bits, false),
+                   {x, w, scales, biases});
+}
+
+mx::array gather_qmm(const mx::array& x, const mx::array& w, const mx::array& scales,
+                     const mx::array& biases, const mx::array& rows_expert, int group_size,
+                     int bits) {
+  check_weights(x, w, scales, biases, group_size, bits, 3);
+  check(rows_expert.dtype() == mx::uint32, "rows_expert must be uint32");
+  check(rows_expert.size() * x.shape(-1) == x.size(), "rows_expert must have one entry per row");
+  auto shape = x.shape();
+  shape.back() = w.shape(1);
+  auto s = cpu_stream();
+  auto index = mx::contiguous(mx::flatten(rows_expert, s), false, s);
+  return mx::array(shape, mx::float32,
+                   std::make_shared<FlashserveQMM>(s, group_size, bits, true),
+                   {x, w, scales, biases, index});
+}
+
+std::string compiled_mlx_version() {
+  std::ostringstream out;
+  out << MLX_VERSION_MAJOR << "." << MLX_VERSION_MINOR << "." << MLX_VERSION_PATCH;
+  return out.str();
+}
+
+}  // namespace
+
+NB_MODULE(_qmm, m) {
+  m.doc() = "flashserve's CPU quantized matmul for few rows, as an MLX primitive";
+  m.def("qmm", &qmm, "x"_a, "w"_a, "scales"_a, "biases"_a, "group_size"_a, "bits"_a,
+        "x @ dequantize(w, scales, biases).T on the CPU stream (x float32, rows flattened)");
+  m.def("gather_qmm", &gather_qmm, "x"_a, "w"_a, "scales"_a, "biases"_a, "rows_expert"_a,
+        "group_size"_a, "bits"_a,
+        "each row of x against its expert's weight in a stacked (E, N, K') weight");
+  m.def("cpu_supported", &flashserve_qmm::cpu_supported,
+        "whether this CPU has AVX2, FMA and F16C (the kernel's instructions)");
+  m.def("set_threads", &flashserve_qmm::set_threads, "n"_a,
+        "threads the kernel uses, the calling one included; 0: one per core");
+  m.def("threads", &flashserve_qmm::threads);
+  m.def("compiled_mlx_version", &compiled_mlx_version,
+        "the MLX version whose headers this module was compiled against");
+  m.def("runtime_mlx_version", [] { return std::string(mx::version()); },
+        "the version of the libmlx this module is linked to at run time");
+}

@@ -1,0 +1,279 @@
+"""Quantized matmuls with few rows on the CPU: flashserve's kernel instead of MLX's.
+
+MLX's CPU kernel for a quantized matmul is scalar and single-threaded, and
+costs the same per row at any batch size: on the default model one decode
+step spent 108 of its 161 ms there (issue 22). flashserve's kernel
+(csrc/qmm_kernels.cpp, built at install time by setup.py) reads the same
+packed weights, scales and biases as they are, unpacks 32 values at a time
+into AVX2 registers, uses each unpacked vector for every row of x, and
+splits the columns over the cores: 8-40x MLX's kernel on the default
+model's shapes at 1 to 8 rows (`flashserve bench --sections decode`).
+
+It is an MLX primitive (csrc/qmm_module.cpp), so it stays in MLX's lazy
+graph like the op it replaces. It takes:
+
+- quantized linears (decode steps, the LM head), except prompt chunks, which
+  compute/prompt_matmul.py gives to the BLAS;
+- embeddings used as the LM head (`QuantizedEmbedding.as_linear`);
+- the expert matmuls of MoE blocks (`QuantizedSwitchLinear`), resident or
+  offloaded: both take this path, so they stay bit-identical.
+
+A row's result does not depend on the other rows in the call, so batching
+does not change a request's numbers; the result is within float32 rounding
+of MLX's kernel (the tests compare them on every width and group size).
+Only float32 inputs and MLX's affine mode are taken (2, 3, 4, 5, 6, 8 bits;
+groups of 32, 64, 128); anything else, a GPU, or a machine where the kernel
+was not built or its CPU lacks AVX2, FMA and F16C, keeps MLX's kernel. The
+`quantized_matmul` setting forces either: "auto" (the fast path where it can run), "fast", "mlx".
+"""
+
+from __future__ import annotations
+
+import logging
+from types import ModuleType
+from typing import Any, Literal
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+
+log = logging.getLogger(__name__)
+
+QmmChoice = Literal["auto", "fast", "mlx"]
+CHOICES: tuple[str, ...] = ("auto", "fast", "mlx")
+
+BITS = (2, 3, 4, 5, 6, 8)
+GROUP_SIZES = (32, 64, 128)
+_SCALE_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+
+
+class QmmError(Exception):
+    """The fast path was asked for and cannot run here (the message says why)."""
+
+
+class _State:
+    module: ModuleType | None = None  # the compiled extension, once found usable
+    reason: str | None = None  # why it is not usable; None before the first check
+    checked = False
+    active = False  # whether eligible calls take the fast path now
+    chosen: str | None = None  # what select() decided: "fast" or "mlx"
+
+
+_state = _State()
+
+
+def _probe() -> tuple[ModuleType | None, str | None]:
+    """The extension if it can run here, else None and the reason."""
+    if mx.default_device() != mx.cpu:
+        return None, "MLX computes on the GPU, where its own kernels are fast"
+    try:
+        from flashserve.engine.compute import _qmm  # type: ignore[attr-defined]
+    except ImportError as exc:
+        return None, f"the kernel was not built at install time ({exc})"
+    if not _qmm.cpu_supported():
+        return None, "this CPU lacks AVX2, FMA or F16C"
+    built, running = _qmm.compiled_mlx_version(), mx.__version__.split(".dev")[0]
+    if built != running:
+        return None, f"the kernel was built against MLX {built}, this is MLX {running}"
+    try:
+        # One tiny call: an MLX whose C++ types differ from the ones compiled
+        # against (nanobind ABI, primitive layout) fails here, not mid-request.
+        w = mx.arange(64 * 64, dtype=mx.float32).reshape(64, 64) / 4096.0
+        wq, scales, biases = mx.quantize(w, group_size=32, bits=4)
+        x = mx.ones((1, 64))
+        got = _qmm.qmm(x, wq, scales, biases, 32, 4)
+        want = mx.quantized_matmul(x, wq, scales, biases, transpose=True, group_size=32, bits=4)
+        if not mx.allclose(got, want, rtol=1e-4, atol=1e-4).item():
+            return None, "the kernel disagrees with MLX's on a test matrix"
+    except Exception as exc:  # any failure means MLX's kernel, never a crash
+        return None, f"the kernel cannot run with this MLX ({type(exc).__name__}: {exc})"
+    return _qmm, None
+
+
+def unavailable_reason() -> str | None:
+    """None when the fast path can run in this process; else why not."""
+    if not _state.checked:
+        _state.module, _state.reason = _probe()
+        _state.checked = True
+    return _state.reason
+
+
+def select(choice: str = "auto") -> str:
+    """Choose the kernel for this process: returns "fast" or "mlx".
+
+    "auto" takes the fast path where it can run and says in one log line
+    when it cannot; "fast" raises QmmError where it cannot; "mlx" never
+    takes it.
+    """
+    if choice not in CHOICES:
+        raise QmmError(f"quantized_matmul {choice!r}: choose one of {', '.join(CHOICES)}")
+    if choice == "mlx":
+        _state.active, _state.chosen = False, "mlx"
+        return "mlx"
+    reason = unavailable_reason()
+    if reason is not None:
+        if choice == "fast":
+            raise QmmError(f"quantized_matmul 'fast' cannot run here: {reason}")
+        if _state.chosen != "mlx":
+            log.info("quantized matmuls use MLX's kernel: %s", reason)
+        _state.active, _state.chosen = False, "mlx"
+        return "mlx"
+    if _state.chosen != "fast":
+        log.info(
+            "quantized matmuls with few rows use flashserve's CPU kernel (%d threads)",
+            _state.module.threads(),
+        )
+    _state.active, _state.chosen = True, "fast"
+    return "fast"
+
+
+def active() -> bool:
+    """Whether eligible quantized matmuls take the fast path now."""
+    return _state.active
+
+
+def set_active(on: bool) -> None:
+    """Turn the fast path on or off for modules already switched (the bench compares both)."""
+    if on and unavailable_reason() is not None:
+        raise QmmError(f"quantized_matmul 'fast' cannot run here: {_state.reason}")
+    _state.active = on
+
+
+def set_threads(n: int) -> None:
+    """Threads the kernel uses, the calling one included; 0: one per core."""
+    if unavailable_reason() is None:
+        _state.module.set_threads(n)
+
+
+def quantized_matmul(
+    x: mx.array,
+    w: mx.array,
+    scales: mx.array,
+    biases: mx.array,
+    group_size: int,
+    bits: int,
+    rows_expert: mx.array | None = None,
+) -> mx.array:
+    """x @ dequantize(w).T with the fast kernel (x float32; w 2-D, or 3-D with rows_expert).
+
+    With rows_expert, row r of x (leading dimensions flattened) uses expert
+    rows_expert[r] of the stacked weight. Raises QmmError where the kernel
+    cannot run.
+    """
+    if unavailable_reason() is not None:
+        raise QmmError(f"quantized_matmul 'fast' cannot run here: {_state.reason}")
+    if rows_expert is None:
+        return _state.module.qmm(x, w, scales, biases, group_size, bits)
+    return _state.module.gather_qmm(x, w, scales, biases, rows_expert, group_size, bits)
+
+
+def _eligible(module: Any) -> bool:
+    """Static checks: affine mode, a bit width, group size and scale dtype the kernel takes."""
+    scales = module.get("scales") if isinstance(module, dict) else None
+    return (
+        getattr(module, "mode", "affine") == "affine"
+        and module.bits in BITS
+        and module.group_size in GROUP_SIZES
+        and module.get("biases") is not None
+        and scales is not None
+        and scales.dtype in _SCALE_DTYPES
+        and getattr(module, "global_scale", None) is None
+    )
+
+
+class FastQuantizedLinear(nn.QuantizedLinear):
+    """A QuantizedLinear whose float32 inputs go to flashserve's kernel while it is active."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if not (_state.active and x.dtype == mx.float32):
+            return super().__call__(x)
+        y = _state.module.qmm(
+            x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits
+        )
+        if "bias" in self:
+            y = y + self["bias"]
+        return y
+
+
+class FastQuantizedEmbedding(nn.QuantizedEmbedding):
+    """A QuantizedEmbedding whose use as the LM head (as_linear) goes to flashserve's kernel."""
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        if not (_state.active and x.dtype == mx.float32):
+            return super().as_linear(x)
+        return _state.module.qmm(
+            x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits
+        )
+
+
+class FastQuantizedSwitchLinear(QuantizedSwitchLinear):
+    """mlx-lm's expert linear (gather_qmm) on flashserve's kernel: one expert per row."""
+
+    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+        # SwitchGLU hands in x as (..., 1, K): one row per (token, expert) slot.
+        if not (_state.active and x.dtype == mx.float32 and x.ndim >= 2 and x.shape[-2] == 1):
+            return super().__call__(x, indices, sorted_indices)
+        batch = tuple(mx.broadcast_shapes(x.shape[:-2], indices.shape))
+        rows = mx.broadcast_to(x.squeeze(-2), (*batch, x.shape[-1]))
+        experts = mx.broadcast_to(indices, batch).astype(mx.uint32)
+        y = _state.module.gather_qmm(
+            rows,
+            self["weight"],
+            self["scales"],
+            self["biases"],
+            experts,
+            self.group_size,
+            self.bits,
+        )
+        y = mx.expand_dims(y, -2)
+        if "bias" in self:
+            y = y + mx.expand_dims(self["bias"][indices], -2)
+        return y
+
+
+_FAST_BASES: tuple[type, ...] = (
+    FastQuantizedLinear,
+    FastQuantizedEmbedding,
+    FastQuantizedSwitchLinear,
+)
+_combined: dict[type, type] = {}
+
+
+def _fast_class(cls: type) -> type | None:
+    """The fast class for a module class: its own, or `cls` with the fast one after it.
+
+    A subclass (compute/prompt_matmul.py's PromptQuantizedLinear, the float32
+    embedding of compute/half_scales.py) keeps its own behaviour and hands
+    what it does not handle to the fast class through super().
+    """
+    if issubclass(cls, _FAST_BASES):
+        return None
+    for fast in _FAST_BASES:
+        base = fast.__mro__[1]
+        if cls is base:
+            return fast
+        if issubclass(cls, base):
+            if cls not in _combined:
+                _combined[cls] = type(f"Fast{cls.__name__}", (cls, fast), {})
+            return _combined[cls]
+    return None
+
+
+def use_fast_qmm(model: nn.Module) -> int:
+    """Switch the model's eligible quantized modules to the fast classes, in place.
+
+    Does nothing (returns 0) when select() chose MLX's kernel. The modules
+    keep their arrays and freeze state; only their class changes. Returns
+    how many changed.
+    """
+    if _state.chosen is None:
+        select("auto")
+    if _state.chosen != "fast":
+        return 0
+    changed = 0
+    for _, module in model.named_modules():
+        fast = _fast_class(type(module))
+        if fast is not None and _eligible(module):
+            module.__class__ = fast
+            changed += 1
+    return changed

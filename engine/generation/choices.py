@@ -1,0 +1,102 @@
+"""A request on its way into the batch, and each of its choices once there.
+
+A request with n choices becomes n sequences of the batch. Each keeps its own
+text state (detokenizer, stop strings), sampler and processors, and reports
+its tokens, logprobs and end under its own index.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer
+
+from flashserve.engine.generation.logprobs import sampled_logprobs
+from flashserve.engine.generation.requests import DoneEvent, RequestHandle, TokenEvent
+from flashserve.engine.generation.sampling import GuardedProcessors
+from flashserve.engine.generation.shared_prefill import PromptScores
+from flashserve.engine.generation.stops import StopMatcher
+
+
+@dataclass
+class Start:
+    """A request on its way into the batch."""
+
+    handle: RequestHandle
+    prompt: list[int]
+    cache: list[Any] | None  # the state after prompt[:reused]
+    reused: int  # tokens the cache covers
+    processors: GuardedProcessors | None  # choice 0's
+    failed: bool = False
+    logits: Any = None  # once prefilled outside the batch: the first token's (vocab,) logits
+    scores: PromptScores | None = None  # the prompt's logprobs, when asked for
+    started: float = field(default_factory=time.perf_counter)
+
+    def __post_init__(self) -> None:
+        self.cached = self.reused  # tokens the prompt cache gave: reported as cached_tokens
+
+    @property
+    def alone(self) -> bool:
+        """Whether the prompt is prefilled outside the batch (shared_prefill.py says why)."""
+        request = self.handle.request
+        return request.n > 1 or request.prompt_logprobs is not None or request.max_tokens == 0
+
+
+@dataclass
+class Choice:
+    """One sequence in the batch: a request's choice `index` and its text state."""
+
+    uid: int
+    handle: RequestHandle
+    index: int
+    detokenizer: Any
+    stops: StopMatcher
+    processors: GuardedProcessors | None
+    started: float
+    cached_tokens: int = 0  # prompt tokens restored from the prompt cache
+    first_token_at: float | None = None
+    generated: int = 0
+    failed: BaseException | None = None
+
+    def emit(self, token: int, logprobs: mx.array | None) -> None:
+        """Send `token` (its text once the detokenizer and stop strings release it)."""
+        if self.generated == 0:
+            self.first_token_at = time.perf_counter()
+        self.generated += 1
+        self.detokenizer.add_token(token)
+        text = self.stops.feed(self.detokenizer.last_segment)
+        event = TokenEvent(token, text, index=self.index)
+        k = self.handle.request.logprobs
+        if k is not None and logprobs is not None:
+            event.logprob, event.top_logprobs = sampled_logprobs(logprobs, token, k)
+        self.handle.push(event)
+
+    def done(self, reason: str) -> DoneEvent:
+        """The choice's last event. Text held back for stop matching is the client's,
+        even on a cut."""
+        self.detokenizer.finalize()
+        tail = self.stops.feed(self.detokenizer.last_segment) + self.stops.flush()
+        return DoneEvent(
+            reason,
+            len(self.handle.request.prompt_tokens),
+            self.generated,
+            text=tail,
+            cached_tokens=self.cached_tokens,
+            stop_sequence=self.stops.matched,
+            index=self.index,
+        )
+
+
+def keep_first_space(detokenizer: Any) -> Any:
+    """mlx-lm's BPE and SentencePiece streaming detokenizers drop the first space of
+    their text: right for an answer after a chat header ("▁Hello" is "Hello"),
+    wrong for a continuation ("The capital of France is" + " Paris"). They drop
+    it only while their text is empty, so a seed character, never sent (the
+    offset starts past it), keeps it."""
+    if isinstance(detokenizer, (BPEStreamingDetokenizer, SPMStreamingDetokenizer)):
+        detokenizer.text = "\u2060"
+        detokenizer.offset = len(detokenizer.text)
+    return detokenizer

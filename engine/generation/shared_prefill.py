@@ -1,0 +1,74 @@
+"""A prompt prefilled outside the batch, for requests that need its state whole.
+
+Two kinds of request do: n > 1, whose choices all start from one prefill (the
+state is copied per choice, then each samples its own first token), and echo
+with logprobs, which needs the model's distribution at every prompt position,
+which mlx-lm's BatchGenerator does not keep. The arithmetic is the batch's:
+the prompt but its last token in chunks of prefill_step_size, then the last
+token alone, whose logits give the first new token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+
+from flashserve.engine.generation.logprobs import TopLogprobs, next_token_logprobs
+from flashserve.engine.generation.requests import PromptLogprobsEvent
+
+
+class PrefillCancelled(Exception):
+    pass
+
+
+@dataclass
+class PromptScores:
+    """The prompt's logprobs gathered chunk by chunk (position 0 has none)."""
+
+    tokens: list[int]
+    k: int
+    logprobs: list[float | None] = field(default_factory=lambda: [None])
+    top: list[TopLogprobs | None] = field(default_factory=lambda: [None])
+
+    def add(self, logits: mx.array, start: int) -> None:
+        """Logits (L, vocab) at positions start .. start+L-1 score the tokens after them."""
+        following = self.tokens[start + 1 : start + 1 + logits.shape[0]]
+        chosen, top = next_token_logprobs(logits[: len(following)], following, self.k)
+        self.logprobs.extend(chosen)
+        self.top.extend(top)
+
+    def event(self) -> PromptLogprobsEvent:
+        return PromptLogprobsEvent(list(self.tokens), self.logprobs, self.top)
+
+
+def prefill_alone(
+    model: Any,
+    prompt: list[int],
+    cache: list[Any],
+    start: int,
+    step: int,
+    scores: PromptScores | None = None,
+    cancelled: Callable[[], bool] = lambda: False,
+) -> mx.array:
+    """Run prompt[start:] into `cache` (which holds prompt[:start]); the (vocab,)
+    logits after the last token. With `scores` (start must be 0) every position's
+    logprobs are gathered on the way."""
+    assert scores is None or start == 0, "prompt logprobs need the whole prompt computed"
+    end = len(prompt) - 1
+    position = start
+    while position < end:
+        if cancelled():
+            raise PrefillCancelled
+        chunk = prompt[position : min(position + step, end)]
+        logits = model(mx.array([chunk]), cache=cache)
+        if scores is not None:
+            scores.add(logits[0], position)
+        # The chunk's cache update is part of its logits' graph: this computes it.
+        mx.eval(logits[0, -1])
+        position += len(chunk)
+    logits = model(mx.array([prompt[end:]]), cache=cache)[0, -1]
+    mx.eval(logits)
+    return logits

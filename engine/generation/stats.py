@@ -1,0 +1,57 @@
+"""The worker's counters, read by /health, /metrics and the benchmark."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from flashserve.engine.weights.model import LoadedModel
+
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # max_batch is at most 256
+
+
+@dataclass
+class WorkerStats:
+    requests_total: int = 0
+    requests_failed: int = 0
+    requests_cancelled: int = 0
+    prompt_tokens_total: int = 0
+    # Prompt tokens run through prefill (not restored from the prompt cache): once
+    # per request, however many choices share the prefill.
+    prefill_tokens_total: int = 0
+    completion_tokens_total: int = 0
+    queued: int = 0
+    active: int = 0  # sequences (choices) in the batch now
+    batch_size: int = 0  # sequences in the last decode step
+    steps: int = 0  # decode steps since start
+    batch_size_sum: int = 0  # sequences over all decode steps (their mean: sum / steps)
+    # Decode steps by batch size, one count per BATCH_SIZE_BUCKETS upper bound (not
+    # cumulative): /metrics serves it as a histogram.
+    batch_size_steps: list[int] = field(default_factory=lambda: [0] * len(BATCH_SIZE_BUCKETS))
+    kv_cache_bytes: int = 0  # KV cache and recurrent state of the batch
+    last_step_read_bytes: int = 0  # weights read from disk by the last step, for the batch
+    last_prefill_tokens_per_s: float = 0.0
+    last_decode_tokens_per_s: float = 0.0
+
+    def record(
+        self, prompt: int, generated: int, started: float, first_token_at: float | None
+    ) -> None:
+        """One ended sequence: its tokens, and the speeds of its prefill and decode."""
+        end = time.perf_counter()
+        first = first_token_at or end
+        self.prompt_tokens_total += prompt
+        self.completion_tokens_total += generated
+        if prompt:
+            self.last_prefill_tokens_per_s = prompt / max(first - started, 1e-9)
+        if generated > 1:
+            self.last_decode_tokens_per_s = (generated - 1) / max(end - first, 1e-9)
+
+
+def weight_bytes_read(loaded: LoadedModel | None) -> int:
+    """Weight bytes read from disk so far: streamed layers and offloaded experts."""
+    total = 0
+    if loaded is not None and loaded.streamer is not None:
+        total += loaded.streamer.stats.bytes_read
+    if loaded is not None and loaded.experts is not None:
+        total += loaded.experts.snapshot().since_start.bytes_read
+    return total

@@ -1,0 +1,87 @@
+"""POST /v1/messages and /v1/messages/count_tokens (server/anthropic/ translates).
+
+Errors on these paths come in Anthropic's shape: server/http/errors.py picks
+the shape by path, for the routes' errors and the middleware's alike.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from sse_starlette import EventSourceResponse
+
+from flashserve.server.anthropic.messages import count_tokens, create_message
+from flashserve.server.anthropic.protocol import (
+    ContentBlockDeltaEvent,
+    ContentBlockStartEvent,
+    ContentBlockStopEvent,
+    CountTokensRequest,
+    CountTokensResponse,
+    Message,
+    MessageDeltaEvent,
+    MessagesRequest,
+    MessageStartEvent,
+    MessageStopEvent,
+    PingEvent,
+)
+from flashserve.server.http.deps import (
+    EngineDep,
+    ExtraProcessors,
+    ReadyModel,
+    SettingsDep,
+    check_model,
+    vocab_size,
+)
+from flashserve.server.http.errors import AnthropicErrorResponse, error_responses
+from flashserve.server.http.openapi import event_stream
+from flashserve.server.routes.chat import chat_options
+
+router = APIRouter(tags=["messages"])
+
+# 401 and 413 come from the middleware: server/http/openapi.py lists them on every route.
+_ERRORS = error_responses(400, 404, 429, 500, 503, model=AnthropicErrorResponse)
+# With `stream: true`: each event is named by its data's `type`; a failure after the
+# headers went out is an `error` event. No [DONE]: message_stop ends the stream.
+_STREAM = event_stream(
+    MessageStartEvent,
+    PingEvent,
+    ContentBlockStartEvent,
+    ContentBlockDeltaEvent,
+    ContentBlockStopEvent,
+    MessageDeltaEvent,
+    MessageStopEvent,
+    error=AnthropicErrorResponse,
+    done=False,
+)
+
+
+@router.post("/v1/messages", response_model=Message, responses={**_ERRORS, **_STREAM})
+async def messages(
+    body: MessagesRequest,
+    request: Request,
+    loaded: ReadyModel,
+    engine: EngineDep,
+    settings: SettingsDep,
+    extra_processors: ExtraProcessors,
+) -> Message | EventSourceResponse:
+    check_model(body.model, loaded, settings)
+    return await create_message(
+        body,
+        request,
+        loaded,
+        engine,
+        chat_options(settings),
+        vocab_size(loaded),
+        extra_processors,
+    )
+
+
+@router.post(
+    "/v1/messages/count_tokens",
+    response_model=CountTokensResponse,
+    responses=error_responses(400, 404, 500, 503, model=AnthropicErrorResponse),
+)
+async def messages_count_tokens(
+    body: CountTokensRequest, loaded: ReadyModel, settings: SettingsDep
+) -> CountTokensResponse:
+    check_model(body.model, loaded, settings)
+    return await count_tokens(body, loaded, chat_options(settings), vocab_size(loaded))
