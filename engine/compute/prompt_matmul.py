@@ -9,10 +9,10 @@ prefills 128 to 512 tokens 14-16x faster with MKL (`flashserve bench
 --sections prefill`), and about 1.3x faster on the reference BLAS.
 
 Only inputs with two or more tokens per sequence take this path. A decode
-step (one token per sequence, whatever the batch size) keeps MLX's kernel:
-it is faster for one row, and it keeps a request's decode numerically the
-same alone and in a batch. On a GPU MLX's own kernels are fast; nothing is
-changed there.
+step (one token per sequence, whatever the batch size) goes on to the few-row
+kernel (compute/qmm.py, or MLX's where that cannot run): faster for few rows,
+and a request's decode is numerically the same alone and in a batch. On a GPU
+MLX's own kernels are fast; nothing is changed there.
 """
 
 from __future__ import annotations
