@@ -15,6 +15,9 @@ never those below):
                  and shedding, memory probes, disk helpers, loading a prepared
                  directory (which may install the expert cache).
 - `loader`       a model spec -> LoadedModel, choosing among the above.
+- `distributed`  one model split across machines by layer ranges (MLX's
+                 distributed engine): each rank's share, rank 0's messages,
+                 the followers, the watchdog, `serve --hostfile`.
 - `generation`   the worker thread and its requests, events, samplers, stop
                  strings and constrained-decoding processors.
 - `bench`        `flashserve bench` and its sections; imports any of the above.

@@ -19,7 +19,7 @@ class EngineConfig:
     residency: str = "all"  # all | fixed | auto
     residency_mode: str = "balanced"  # max_tps | balanced | max_context (auto only)
     placement: str = "first_n"  # first_n | last_n | interleaved
-    prefetch_depth: int = 1
+    prefetch_depth: int = 2  # 2: the read queue never drains between layers (bench io)
     shed_floor: int = 300 * 1024 * 1024  # bytes of available memory before shedding
     # MoE expert offload
     expert_cache: str | None = None  # slots ("2048") or bytes ("3GB"); None: experts resident
@@ -46,4 +46,7 @@ class EngineConfig:
     # Seconds a weight read (streamed layer, expert) may stall before the
     # request that needs it fails; hung network storage must not hang the server.
     io_timeout: float = 30.0
+    # Split across ranks (engine/distributed/): decoder layers per rank ("10,14");
+    # None splits evenly. Only read when this process was launched as a rank.
+    layer_split: str | None = None
     extra: dict = field(default_factory=dict)

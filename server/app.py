@@ -76,4 +76,10 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         lambda: memory.metric_numbers(engine),
         "Memory and layer residency, as GET /memory",
     )
+    app.state.metrics.add_source(
+        "distributed",
+        lambda: memory.distributed_numbers(engine),
+        "Model split across ranks: hidden-state transfer time (total, last step, per step), "
+        "rank 0's messages to the other ranks",
+    )
     return app

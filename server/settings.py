@@ -64,7 +64,7 @@ class Settings(BaseSettings):
     memory_budget: int | None = Field(None, description="bytes, e.g. 3GB")
     residency_mode: Literal["max_tps", "balanced", "max_context"] = "balanced"
     placement: Literal["first_n", "last_n", "interleaved"] = "first_n"
-    prefetch_depth: int = Field(1, ge=0, le=8)
+    prefetch_depth: int = Field(2, ge=0, le=8)
     shed_floor: int = Field(300_000_000, description="available memory under which to shed")
 
     # MoE expert offload
@@ -110,6 +110,20 @@ class Settings(BaseSettings):
         "auto",
         description="CPU: kernel for quantized matmuls with few rows (decode); "
         "auto = flashserve's where it runs, else MLX's",
+    )
+
+    # Several machines (engine/distributed/): one model split by layer ranges
+    hostfile: str | None = Field(
+        None, description="mlx.launch hostfile (JSON): serve starts one rank per host"
+    )
+    layer_split: str | None = Field(
+        None, description="decoder layers per rank, e.g. 10,14; default: even"
+    )
+    distributed_backend: Literal["ring", "jaccl", "jaccl-ring"] = Field(
+        "ring", description="mlx.launch backend: ring (TCP) or jaccl (Thunderbolt RDMA)"
+    )
+    distributed_port: int = Field(
+        32323, ge=1, le=65535, description="first port of the ring backend (one per rank)"
     )
 
     # Tools and reasoning

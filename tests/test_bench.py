@@ -50,7 +50,7 @@ def test_quick_bench_prints_every_section(tmp_path: Path) -> None:
         "--",
         "--quick",
         "--sections",
-        "layers,experts,batch,prefill,prompt-cache",
+        "layers,experts,batch,prefill,prompt-cache,io,distributed",
         "--tokens",
         "4",
         "--work-dir",
@@ -134,6 +134,22 @@ def test_quick_bench_prints_every_section(tmp_path: Path) -> None:
     for row in prefill[0]:
         for column in ("kernel tok/s", "dequantize + BLAS tok/s", "speed-up"):
             assert _number(row[column]) > 0, row
+    io = [rows for t, rows in tables.items() if t.startswith("Read paths at disk speed")]
+    assert len(io) == 1, proc.stdout
+    assert len(io[0]) == 6
+    for row in io[0]:
+        value, unit = row["measured"].split()
+        assert _number(value) > 0 and unit in ("GB/s", "tok/s"), row
+        assert _number(row["disk GB/s"]) > 0 and _number(row["ratio"]) > 0, row
+    io_targets = proc.stdout.split("Read path targets")[1].split("(took")[0]
+    assert len(re.findall(r"x \(target >= 0\.[89]0x\) (met|MISSED)$", io_targets, re.M)) == 6
+    dist = [rows for t, rows in tables.items() if t.startswith("Distributed:")]
+    assert len(dist) == 1, proc.stdout
+    assert [r["ranks"] for r in dist[0]] == ["1", "2"]
+    for row in dist[0]:
+        assert _number(row["tokens/s"]) > 0 and _number(row["TTFT s"]) > 0, row
+    assert dist[0][0]["rank 0 transfer ms/step"] == "-"
+    assert _number(dist[0][1]["rank 0 transfer ms/step"]) > 0  # read from the 2-rank /metrics
     assert re.search(
         r"^float matmuls on the (mkl|reference|accelerate) BLAS$", proc.stdout, re.MULTILINE
     ), proc.stdout

@@ -63,6 +63,77 @@ def test_every_width_group_and_scale_dtype_matches_mlx(bits):
                 assert err < TOLERANCE, (bits, group_size, dtype, rows, err)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_avx512_and_avx2_kernels_both_match_mlx(bits):
+    """4 and 8 bits have two kernels: K not a multiple of the AVX-512 chunk (128) included."""
+    if not qmm.set_avx512(True):
+        pytest.skip("this CPU has no AVX-512")
+    try:
+        for avx512 in (True, False):
+            assert qmm.set_avx512(avx512) == avx512
+            for k in (576, 320, 1536):
+                for group_size in (g for g in qmm.GROUP_SIZES if k % g == 0):
+                    for dtype in (mx.float32, mx.float16, mx.bfloat16):
+                        wq, scales, biases = weights(21, k, bits, group_size, dtype, seed=k)
+                        for rows in (1, 2, 3, 4, 6, 9):
+                            x = mx.random.normal((rows, k), key=mx.random.key(rows))
+                            got = qmm.quantized_matmul(x, wq, scales, biases, group_size, bits)
+                            want = mx.quantized_matmul(
+                                x,
+                                wq,
+                                scales,
+                                biases,
+                                transpose=True,
+                                group_size=group_size,
+                                bits=bits,
+                            )
+                            err = relative_error(got, want)
+                            assert err < TOLERANCE, (avx512, k, group_size, dtype, rows, err)
+    finally:
+        qmm.set_avx512(True)
+
+
+class Block(nn.Module):
+    """An attention block's projections and an MLP's, named as mlx-lm names them."""
+
+    def __init__(self, dims: int = 256, hidden: int = 384):
+        super().__init__()
+        self.q_proj = nn.Linear(dims, dims, bias=True)
+        self.k_proj = nn.Linear(dims, 64, bias=False)
+        self.v_proj = nn.Linear(dims, 64, bias=False)
+        self.gate_proj = nn.Linear(dims, hidden, bias=False)
+        self.up_proj = nn.Linear(dims, hidden, bias=False)
+
+
+def test_sibling_linears_share_one_op_and_give_the_same_bits():
+    block = Block()
+    nn.quantize(block, group_size=32, bits=4)
+    block.up_proj = nn.QuantizedLinear.from_linear(nn.Linear(256, 384), group_size=64, bits=8)
+    assert qmm.use_fast_qmm(block) == 5
+    attention = block.q_proj._qmm_siblings
+    assert attention.members == [block.q_proj, block.k_proj, block.v_proj]
+    assert block.gate_proj._qmm_siblings.members == [block.gate_proj, block.up_proj]
+    x = mx.random.normal((3, 1, 256), key=mx.random.key(12))
+    other = mx.random.normal((3, 1, 256), key=mx.random.key(13))
+    names = ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"]
+    qmm.set_fusion(False)
+    try:
+        alone = {n: getattr(block, n)(x) for n in names}
+        alone_other = block.k_proj(other)
+    finally:
+        qmm.set_fusion(True)
+    # Any order; a member called with another input (or twice) computes afresh.
+    for order in (names, names[::-1]):
+        got = {n: getattr(block, n)(x) for n in order}
+        for n in names:
+            assert mx.array_equal(got[n], alone[n]).item(), n
+        assert attention.x is None and not attention.kept  # nothing held once all are taken
+    block.q_proj(x)
+    assert mx.array_equal(block.k_proj(other), alone_other).item()
+    assert mx.array_equal(block.k_proj(x), alone["k_proj"]).item()
+    assert mx.array_equal(block.v_proj(x), alone["v_proj"]).item()
+
+
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize(("bits", "group_size"), [(4, 32), (8, 64), (3, 64), (6, 32)])
 def test_quantized_linear_with_and_without_bias(bias, bits, group_size):

@@ -112,7 +112,16 @@ def test_engine_never_imports_server():
 
 # Inside the engine, a package may import only the packages listed before it
 # (engine/__init__.py; docs/ARCHITECTURE.md).
-ENGINE_ORDER = ["config", "compute", "weights", "experts", "streaming", "loader", "generation"]
+ENGINE_ORDER = [
+    "config",
+    "compute",
+    "weights",
+    "experts",
+    "streaming",
+    "loader",
+    "distributed",
+    "generation",
+]
 
 
 def test_engine_packages_import_downwards_only():

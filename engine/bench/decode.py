@@ -73,7 +73,8 @@ def run(work_dir: Path, *, tokens: int, quick: bool) -> dict:
         rows.append(["llama.cpp (llama-cpp-python)", 1, llama, 1.0, "-", "1.00"])
     print_table(
         f"Decode: default model ({default_model_path().name}), greedy, {tokens} tokens per "
-        f"stream, best of {rounds} round(s), {os.cpu_count()} CPUs",
+        f"stream, best of {rounds} round(s), {os.cpu_count()} CPUs, "
+        f"flashserve kernel on {qmm.kernel_isa() or '-'}",
         ["kernel", "streams", "tokens/s", "x one stream", "x MLX kernel", "x llama.cpp"],
         rows,
     )

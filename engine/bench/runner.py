@@ -7,6 +7,10 @@ Sections (all by default):
   prefill  prompt tokens/s of quantized models: MLX's kernel vs dequantize + BLAS
   prompt-cache  time to first token of an 8-turn conversation: cold, memory hit,
            disk hit after a restart, at 100% and 0% residency
+  io       read paths (layers, experts) against the disk's parallel read speed,
+           and decode at 0% residency against its I/O bound
+  distributed  one model on 1 rank and split over 2 local ranks: TTFT, tokens/s,
+           the per-step overhead
   decode   the default model's decode tokens/s at 1, 4, 8 streams: flashserve's
            CPU quantized matmul vs MLX's kernel (and llama.cpp when installed)
 
@@ -24,7 +28,17 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from flashserve.engine.bench import batch, decode, experts, layers, plots, prefill, prompt_cache
+from flashserve.engine.bench import (
+    batch,
+    decode,
+    distributed,
+    experts,
+    io,
+    layers,
+    plots,
+    prefill,
+    prompt_cache,
+)
 from flashserve.engine.bench.common import DEFAULT_WORK_DIR
 from flashserve.engine.compute import blas
 
@@ -37,8 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--sections",
-        default="layers,experts,batch,prefill,prompt-cache,decode",
-        help="comma list of: layers, experts, batch, prefill, prompt-cache, decode",
+        default="layers,experts,batch,prefill,prompt-cache,io,distributed,decode",
+        help="comma list of: layers, experts, batch, prefill, prompt-cache, io, distributed, "
+        "decode",
     )
     parser.add_argument(
         "--work-dir",
@@ -69,6 +84,10 @@ def main(argv: list[str] | None = None) -> int:
             results[section] = prefill.run(args.work_dir, quick=args.quick)
         elif section == "prompt-cache":
             results[section] = prompt_cache.run(args.work_dir, quick=args.quick)
+        elif section == "io":
+            results[section] = io.run(args.work_dir, tokens=args.tokens, quick=args.quick)
+        elif section == "distributed":
+            results[section] = distributed.run(args.work_dir, tokens=args.tokens, quick=args.quick)
         elif section == "decode":
             results[section] = decode.run(args.work_dir, tokens=args.tokens, quick=args.quick)
         else:

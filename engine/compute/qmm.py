@@ -3,17 +3,22 @@
 MLX's CPU kernel for a quantized matmul is scalar and single-threaded, and
 costs the same per row at any batch size: on the default model one decode
 step spent 108 of its 161 ms there (issue 22). flashserve's kernel
-(csrc/qmm_kernels.cpp, built at install time by setup.py) reads the same
-packed weights, scales and biases as they are, unpacks 32 values at a time
-into AVX2 registers, uses each unpacked vector for every row of x, and
-splits the columns over the cores: 8-40x MLX's kernel on the default
-model's shapes at 1 to 8 rows (`flashserve bench --sections decode`).
+(csrc/, built at install time by setup.py) reads the same packed weights,
+scales and biases as they are. On CPUs with AVX-512, 4- and 8-bit weights
+(GGUF Q4/Q8, mlx-lm's default) take csrc/qmm_avx512.cpp: nibbles become
+floats through a 16-entry table lookup, and each group's scale and bias are
+factored out of the sum (one FMA per weight). Other widths, and CPUs with
+AVX2 only, take csrc/qmm_kernels.cpp, which unpacks 32 values at a time into
+AVX2 registers. Each unpacked vector serves every row of x; only large
+problems (the LM head, batched steps) are split over the cores.
 
 It is an MLX primitive (csrc/qmm_module.cpp), so it stays in MLX's lazy
 graph like the op it replaces. It takes:
 
 - quantized linears (decode steps, the LM head), except prompt chunks, which
-  compute/prompt_matmul.py gives to the BLAS;
+  compute/prompt_matmul.py gives to the BLAS; linears of one block that read
+  the same input (q/k/v, gate/up) run as one op (`_Siblings`): each MLX op
+  costs microseconds of dispatch on the CPU, whatever its size;
 - embeddings used as the LM head (`QuantizedEmbedding.as_linear`);
 - the expert matmuls of MoE blocks (`QuantizedSwitchLinear`), resident or
   offloaded: both take this path, so they stay bit-identical.
@@ -57,6 +62,7 @@ class _State:
     checked = False
     active = False  # whether eligible calls take the fast path now
     chosen: str | None = None  # what select() decided: "fast" or "mlx"
+    fuse = True  # whether sibling linears (q/k/v, gate/up) share one kernel call
 
 
 _state = _State()
@@ -145,6 +151,21 @@ def set_threads(n: int) -> None:
         _state.module.set_threads(n)
 
 
+def kernel_isa() -> str | None:
+    """The fast kernel's instruction set for 4- and 8-bit weights here, or None without it."""
+    if unavailable_reason() is not None:
+        return None
+    return "AVX-512" if _state.module.avx512_active() else "AVX2"
+
+
+def set_avx512(on: bool) -> bool:
+    """Allow or forbid the AVX-512 kernel (tests check AVX2's); returns whether it runs now."""
+    if unavailable_reason() is not None:
+        return False
+    _state.module.set_avx512(on)
+    return bool(_state.module.avx512_active())
+
+
 def quantized_matmul(
     x: mx.array,
     w: mx.array,
@@ -181,15 +202,55 @@ def _eligible(module: Any) -> bool:
     )
 
 
+class _Siblings:
+    """Quantized linears of one block that read the same input (q, k, v; gate, up).
+
+    The first of them called with an input computes all of their outputs in
+    one op (the kernel's qmm_multi: one graph node instead of three, each
+    output exactly what its own call computes) and keeps the others' for
+    their calls with that same array. A call with another input, or a second
+    call, computes afresh, so a model that calls them otherwise is still right.
+    """
+
+    def __init__(self, members: list[FastQuantizedLinear]) -> None:
+        self.members = members
+        self.x: mx.array | None = None  # the input the kept outputs belong to
+        self.kept: dict[int, mx.array] = {}  # member index -> output not yet taken
+
+    def output(self, member: FastQuantizedLinear, x: mx.array) -> mx.array:
+        index = next(i for i, m in enumerate(self.members) if m is member)
+        if self.x is x and index in self.kept:
+            y = self.kept.pop(index)
+            if not self.kept:
+                self.x = None  # nothing left to hand out: let x go
+            return y
+        ms = self.members
+        ys = _state.module.qmm_multi(
+            x,
+            [m["weight"] for m in ms],
+            [m["scales"] for m in ms],
+            [m["biases"] for m in ms],
+            [m.group_size for m in ms],
+            [m.bits for m in ms],
+        )
+        self.x = x
+        self.kept = {i: y for i, y in enumerate(ys) if i != index}
+        return ys[index]
+
+
 class FastQuantizedLinear(nn.QuantizedLinear):
     """A QuantizedLinear whose float32 inputs go to flashserve's kernel while it is active."""
 
     def __call__(self, x: mx.array) -> mx.array:
         if not (_state.active and x.dtype == mx.float32):
             return super().__call__(x)
-        y = _state.module.qmm(
-            x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits
-        )
+        siblings: _Siblings | None = getattr(self, "_qmm_siblings", None)
+        if siblings is not None and _state.fuse:
+            y = siblings.output(self, x)
+        else:
+            y = _state.module.qmm(
+                x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits
+            )
         if "bias" in self:
             y = y + self["bias"]
         return y
@@ -276,4 +337,34 @@ def use_fast_qmm(model: nn.Module) -> int:
         if fast is not None and _eligible(module):
             module.__class__ = fast
             changed += 1
+    _group_siblings(model)
     return changed
+
+
+# Linears of one block that read the same input, by mlx-lm's attribute names.
+SIBLING_NAMES: tuple[tuple[str, ...], ...] = (
+    ("q_proj", "k_proj", "v_proj"),
+    ("gate_proj", "up_proj"),
+)
+
+
+def _group_siblings(model: nn.Module) -> None:
+    """Give each set of fast sibling linears (same block, same input width) a _Siblings."""
+    if _state.module is None or not hasattr(_state.module, "qmm_multi"):
+        return
+    for _, module in model.named_modules():
+        for names in SIBLING_NAMES:
+            members = [getattr(module, name, None) for name in names]
+            if not all(isinstance(m, FastQuantizedLinear) for m in members):
+                continue
+            widths = {m["scales"].shape[-1] * m.group_size for m in members}
+            if len(widths) != 1 or any(getattr(m, "_qmm_siblings", None) for m in members):
+                continue
+            group = _Siblings(members)
+            for m in members:
+                m._qmm_siblings = group
+
+
+def set_fusion(on: bool) -> None:
+    """Whether sibling linears share one kernel call (on by default; the bench compares)."""
+    _state.fuse = on

@@ -26,7 +26,9 @@ import time
 import zlib
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from contextlib import suppress
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +98,11 @@ class ReadResult:
     buffer: mx.array  # uint8, the whole record
     nbytes: int
     seconds: float  # wall time of the read on its I/O thread
+
+
+def _evict(fd: int, offset: int, length: int, _: Future) -> None:
+    with suppress(OSError):  # the store was closed meanwhile
+        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
 
 
 def _dtype(name: str) -> mx.Dtype:
@@ -245,6 +252,10 @@ class ExpertStore:
             target = np.array(buffer, copy=False)  # writable view of MLX's memory
             what = f"expert {expert} of layer {layer} ({self.layouts[layer].file})"
             future = _TimedRead(self.io_timeout, what)
+            if self.drop_page_cache:
+                # Benchmarks: every read comes from disk. The eviction runs on the
+                # I/O thread once the result is out, so no waiter waits for it.
+                future.add_done_callback(partial(_evict, self._fds[layer], offset, length))
             self._pool.submit(
                 self._read, layer, expert, buffer, target, offset, length, future=future
             )
@@ -273,8 +284,6 @@ class ExpertStore:
             ) from None
         except OSError as exc:
             raise ExpertReadError(f"{what}: cannot read {layout.file}: {exc}") from exc
-        if self.drop_page_cache:
-            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
         if self.verify and layout.crc32 is not None and zlib.crc32(view) != layout.crc32[expert]:
             raise ExpertReadError(
                 f"expert {expert} of layer {layer}: checksum mismatch in {layout.file} "

@@ -30,12 +30,16 @@ from __future__ import annotations
 import copy
 import logging
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
 
-from flashserve.engine.generation import prompt_files
+from flashserve.engine.config import EngineConfig
+from flashserve.engine.generation import prompt_disk, prompt_files
 from flashserve.engine.generation.prompt_disk import DiskTier
+from flashserve.engine.weights.fingerprint import weights_fingerprint
+from flashserve.engine.weights.model import LoadedModel, compute_dtype
 
 log = logging.getLogger(__name__)
 
@@ -178,3 +182,25 @@ class PromptCache:
         if entry_tokens > usable:
             trim_prompt_cache(cache, entry_tokens - usable)
         return cache
+
+
+def prompt_cache_for(config: EngineConfig, loaded: LoadedModel) -> PromptCache | None:
+    """The worker's prompt cache for `loaded` (None when turned off): memory, and
+    the disk tier when asked for and its directory is usable."""
+    if config.prompt_cache_bytes <= 0:
+        return None
+    disk = None
+    if config.prompt_cache_disk_bytes > 0:
+        directory = config.prompt_cache_dir or prompt_disk.default_dir()
+        try:
+            fingerprint = weights_fingerprint(loaded.path, loaded.config, str(compute_dtype()))
+            disk = DiskTier(Path(directory), config.prompt_cache_disk_bytes, fingerprint)
+        except OSError as exc:
+            log.warning("prompt cache stays in memory: %s is not usable (%s)", directory, exc)
+    cache = PromptCache(config.prompt_cache_bytes, loaded.model_id, disk)
+    residency = getattr(loaded.streamer, "residency", None)
+    if residency is not None:
+        # Under memory pressure the prompt cache gives memory back before
+        # resident layers are shed (hooks run before shedding).
+        residency.add_pressure_hook(cache.shrink)
+    return cache

@@ -15,7 +15,6 @@ import queue
 import threading
 from collections.abc import Callable
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -24,15 +23,14 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from flashserve.engine.compute import blas
 from flashserve.engine.config import EngineConfig
-from flashserve.engine.generation import prompt_disk
+from flashserve.engine.distributed.mirror import Mirror, load_model
 from flashserve.engine.generation.choices import Choice, Start, keep_first_space
 from flashserve.engine.generation.prefill import (
     LayerMajorPrefill,
     LayerMajorUnsupported,
     PrefillJob,
 )
-from flashserve.engine.generation.prompt_cache import PromptCache
-from flashserve.engine.generation.prompt_disk import DiskTier
+from flashserve.engine.generation.prompt_cache import PromptCache, prompt_cache_for
 from flashserve.engine.generation.requests import (
     DoneEvent,
     ErrorEvent,
@@ -58,9 +56,7 @@ from flashserve.engine.generation.stats import (
     weight_bytes_read,
 )
 from flashserve.engine.generation.stops import StopMatcher
-from flashserve.engine.loader import load
-from flashserve.engine.weights.fingerprint import weights_fingerprint
-from flashserve.engine.weights.model import LoadedModel, compute_dtype
+from flashserve.engine.weights.model import LoadedModel
 from flashserve.engine.weights.reader import WeightFileError
 
 log = logging.getLogger(__name__)
@@ -93,6 +89,7 @@ class Engine:
         self.loaded: LoadedModel | None = None
         self.prompt_cache: PromptCache | None = None  # set once the model is loaded
         self._layer_major: LayerMajorPrefill | None = None
+        self.mirror: Mirror | None = None  # the model is split across ranks: rank 0's side
         self.stats = WorkerStats()
         self._queue: queue.Queue[RequestHandle | None] = queue.Queue()
         self._admission_lock = threading.Lock()
@@ -156,8 +153,8 @@ class Engine:
 
     def _run(self) -> None:
         try:
-            self.loaded = load(self.config)
-            self.prompt_cache = self._make_prompt_cache(self.loaded)
+            self.loaded, self.mirror = load_model(self.config)  # split across ranks?
+            self.prompt_cache = prompt_cache_for(self.config, self.loaded)
             self._layer_major = self._make_layer_major(self.loaded)
             self.state = "ready"
             log.info(
@@ -178,29 +175,12 @@ class Engine:
         while True:
             try:
                 self._loop()
+                if self.mirror is not None:
+                    self.mirror.close()  # the other ranks stop with rank 0
                 return
             except Exception:
                 # A bug outside a step; a dead worker would hang every later request.
                 log.exception("worker loop failed; restarting it")
-
-    def _make_prompt_cache(self, loaded: LoadedModel) -> PromptCache | None:
-        if self.config.prompt_cache_bytes <= 0:
-            return None
-        disk = None
-        if self.config.prompt_cache_disk_bytes > 0:
-            directory = self.config.prompt_cache_dir or prompt_disk.default_dir()
-            try:
-                fingerprint = weights_fingerprint(loaded.path, loaded.config, str(compute_dtype()))
-                disk = DiskTier(Path(directory), self.config.prompt_cache_disk_bytes, fingerprint)
-            except OSError as exc:
-                log.warning("prompt cache stays in memory: %s is not usable (%s)", directory, exc)
-        cache = PromptCache(self.config.prompt_cache_bytes, loaded.model_id, disk)
-        residency = getattr(loaded.streamer, "residency", None)
-        if residency is not None:
-            # Under memory pressure the prompt cache gives memory back before
-            # resident layers are shed (hooks run before shedding).
-            residency.add_pressure_hook(cache.shrink)
-        return cache
 
     def _make_layer_major(self, loaded: LoadedModel) -> LayerMajorPrefill | None:
         if self.config.prefill_order != "auto" or (
@@ -222,12 +202,13 @@ class Engine:
 
     def _new_batch(self) -> BatchGenerator:
         assert self.loaded is not None
-        return BatchGenerator(
+        batch = BatchGenerator(
             self.loaded.model,
             completion_batch_size=self.config.max_batch,
             prefill_batch_size=self.config.max_batch,
             prefill_step_size=self.config.prefill_step_size,
         )
+        return batch if self.mirror is None else self.mirror.wrap(batch)  # type: ignore[return-value]
 
     def _loop(self) -> None:
         """Continuous batching: admit, step the whole batch once, dispatch tokens."""
@@ -319,6 +300,8 @@ class Engine:
         try:
             if not 1 <= request.n <= self.config.max_batch:
                 raise InvalidRequest(f"n must be between 1 and {self.config.max_batch}", "n")
+            if self.mirror is not None and (refused := self.mirror.refusal(request)):
+                raise InvalidRequest(*refused)
             processors = self._processors(request, 0)
             prompt = list(request.prompt_tokens)
             cache, reused = None, 0

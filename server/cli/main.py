@@ -7,6 +7,7 @@ Every setting of server/settings.py is also a flag of `serve` and `chat`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
@@ -29,6 +30,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if rest and getattr(args, "command", None) != "bench":
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     args.rest = rest
+    args.argv = list(argv if argv is not None else sys.argv[1:])
     if not getattr(args, "command", None):
         parser.print_help()
         return EXIT_USAGE
@@ -132,6 +134,12 @@ def _check_model(settings: Settings) -> None:
 def _serve(args: argparse.Namespace) -> int:
     settings = _settings(args)
     _check_model(settings)
+    from flashserve.engine.distributed import group
+
+    if settings.hostfile and not group.launched_as_rank():
+        return _launch_ranks(settings, args.argv)
+    if group.launched_as_rank() and group.env_rank() != 0:
+        return _follow(settings)
 
     # Importing mlx_lm.utils sets the open-file limits to (2048, 4096); ours come after.
     import mlx_lm.utils  # noqa: F401
@@ -169,6 +177,64 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"flashserve: the model failed to load: {reason}", file=sys.stderr)
         return EXIT_USAGE
     return 0
+
+
+def _launch_ranks(settings: Settings, argv: list[str]) -> int:
+    """`serve --hostfile`: every rank runs this same command through mlx.launch."""
+    import signal
+    import subprocess
+
+    from flashserve.engine.distributed.launch import HostfileError, launch_command
+
+    serve_args, skip = [], False
+    for arg in argv[argv.index("serve") + 1 :]:
+        if skip or arg.startswith("--hostfile="):
+            skip = False
+            continue
+        skip = arg == "--hostfile"
+        if not skip:
+            serve_args.append(arg)
+    try:
+        cmd = launch_command(
+            settings.hostfile,  # type: ignore[arg-type]
+            serve_args,
+            backend=settings.distributed_backend,
+            port=settings.distributed_port,
+        )
+    except HostfileError as exc:
+        raise _UserError(str(exc)) from None
+    log.info("starting the ranks: %s", " ".join(cmd))
+    # Its own session: a signal to this process reaches every local rank once,
+    # as SIGTERM (rank 0 drains; the other ranks stop when rank 0 has).
+    # No stdin: the ranks take no input (launch.py's launcher does not read it).
+    launcher = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def forward(signum: int, frame: Any) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launcher.pid, signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    return launcher.wait()
+
+
+def _follow(settings: Settings) -> int:
+    """A rank other than 0: no HTTP; follow rank 0's steps until it stops."""
+    import signal
+
+    from flashserve.engine.distributed import follower, node
+    from flashserve.engine.weights.model import ModelLoadError
+
+    # Rank 0 decides when to stop (it drains first); this rank ends with it.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        this = node.start(settings.engine_config())
+    except ModelLoadError as exc:
+        reason = " ".join(str(exc).split())
+        print(f"flashserve: the model failed to load: {reason}", file=sys.stderr)
+        return EXIT_USAGE
+    return follower.follow(this)
 
 
 def _chat(args: argparse.Namespace) -> int:

@@ -60,6 +60,11 @@ class MemoryResponse(BaseModel):
     plan: dict | None = Field(description="the residency plan and its inputs; null: all resident")
     streaming: dict | None = Field(description="streamed-layer counters; null: all resident")
     batch: BatchView
+    distributed: dict | None = Field(
+        None,
+        description="the model split across ranks: each rank's layers (first, last) and "
+        "memory (rank 0's now, the others' from their last heartbeat); null: one process",
+    )
 
 
 @router.get("/memory", response_model=MemoryResponse, responses=error_responses(503))
@@ -76,7 +81,9 @@ def get_memory(loaded: ReadyModel, engine: EngineDep) -> MemoryResponse:
         last_step_read_bytes=stats.last_step_read_bytes,
         last_step_read_bytes_per_sequence=stats.last_step_read_bytes / max(stats.batch_size, 1),
     )
-    return MemoryResponse(**report.to_dict(), batch=batch)
+    mirror = getattr(engine, "mirror", None)
+    distributed = mirror.report() if mirror is not None else None
+    return MemoryResponse(**report.to_dict(), batch=batch, distributed=distributed)
 
 
 def metric_numbers(engine: Engine) -> dict[str, Any]:
@@ -93,6 +100,13 @@ def metric_numbers(engine: Engine) -> dict[str, Any]:
     ).to_dict()
     report.pop("layer_bytes_read")  # one number per layer; its sum is streaming_bytes_read
     return report
+
+
+def distributed_numbers(engine: Engine) -> dict[str, Any]:
+    """For /metrics: the split model's transfer time per step and messages; none
+    when the model runs in one process."""
+    mirror = getattr(engine, "mirror", None)
+    return mirror.numbers() if mirror is not None else {}
 
 
 def _prompt_cache_bytes(engine: Engine) -> int:

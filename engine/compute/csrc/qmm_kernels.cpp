@@ -1,12 +1,16 @@
 // The kernel behind qmm_kernels.h: unpack 32 values at a time into float
 // registers, dequantize them with the group's scale and bias (one FMA), and
-// accumulate them against up to four rows of x. Columns are split over a small
-// pool of threads; each column is computed by one thread in a fixed order.
+// accumulate them against up to four rows of x. Columns of large problems are
+// split over a small pool of threads; each column is computed by one thread in
+// a fixed order. qmm() sends 4- and 8-bit problems to the AVX-512 kernel
+// (qmm_avx512.cpp) when the CPU has it; this file's AVX2 kernel takes the rest.
 //
-// The vector code is compiled for AVX2 + FMA + F16C through function target
-// attributes, so this file builds and loads on any x86-64 CPU; the Python side
-// asks cpu_supported() before it routes anything here.
+// The vector code is compiled for AVX2 + FMA + F16C (AVX-512 in its own file)
+// through function target attributes, so the module builds and loads on any
+// x86-64 CPU; the Python side asks cpu_supported() before it routes anything here.
 #include "qmm_kernels.h"
+
+#include "qmm_isa.h"
 
 #include <immintrin.h>
 #include <sched.h>
@@ -26,6 +30,9 @@
 
 namespace flashserve_qmm {
 namespace {
+
+using detail::ColumnsFn;
+using detail::Prepared;
 
 constexpr int CHUNK = 32;  // values unpacked at once; every group size is a multiple
 
@@ -163,7 +170,8 @@ QMM_TARGET void tile(const QmmProblem& p, const float* xs, int m0, int n0) {
 // Columns [n_begin, n_end) for every row. Columns go in blocks small enough
 // that a block's packed weights stay in cache while every row tile uses them.
 template <class D, ScaleType ST>
-QMM_TARGET void columns(const QmmProblem& p, const float* xs, int n_begin, int n_end) {
+QMM_TARGET void columns(const QmmProblem& p, const Prepared& x, int n_begin, int n_end) {
+  const float* xs = x.xs;
   const int64_t row_bytes = int64_t(p.K) * p.bits / 8;
   const int block = int(std::max<int64_t>(8, (48 * 1024) / std::max<int64_t>(1, row_bytes)));
   for (int nb = n_begin; nb < n_end; nb += block) {
@@ -192,8 +200,6 @@ QMM_TARGET void columns(const QmmProblem& p, const float* xs, int n_begin, int n
   }
 }
 
-using ColumnsFn = void (*)(const QmmProblem&, const float*, int, int);
-
 template <ScaleType ST>
 ColumnsFn pick_bits(int bits) {
   switch (bits) {
@@ -217,7 +223,7 @@ ColumnsFn pick(int bits, ScaleType st) {
 
 // x rows, contiguous, in the order the decoder yields values: for 4 bits each
 // chunk of 32 becomes x[0, 2, .., 14], x[16, .., 30], x[1, .., 15], x[17, .., 31].
-void prepare_x(const QmmProblem& p, bool permuted, std::vector<float>& buf) {
+Prepared prepare_x(const QmmProblem& p, bool permuted, std::vector<float>& buf) {
   buf.resize(size_t(p.M) * p.K);
   for (int m = 0; m < p.M; ++m) {
     const float* src = p.x[m];
@@ -235,14 +241,21 @@ void prepare_x(const QmmProblem& p, bool permuted, std::vector<float>& buf) {
       }
     }
   }
+  return Prepared{buf.data(), p.K, nullptr, 0};
 }
 
 // ---------------------------------------------------------------- threads
-// A few workers that spin briefly between jobs (a decode step issues matmuls
-// back to back, tens of microseconds apart), then sleep on a condition
-// variable. A job is a number of parts claimed one at a time from a counter;
-// the calling thread claims parts too, so a worker that is not scheduled in
-// time (a busy machine) costs nothing: the caller does its parts instead.
+// A few workers that spin briefly after a job, then sleep on a condition
+// variable. Only large problems come here (PARALLEL_MIN_WORK), tens of
+// milliseconds apart in a one-stream decode step, so the spin is short: a
+// worker that spun 200 us after each job spun through the whole step (jobs
+// came every ~100 us) and took a core from the thread building MLX's next
+// graph; one stream decoded no faster on two threads than on one. A job is a
+// number of parts claimed one at a time from a counter; the calling thread
+// claims parts too, so a worker that is not scheduled in time (a busy
+// machine) costs nothing: the caller does its parts instead.
+
+constexpr int SPIN_US = 50;
 
 struct Job {
   const std::function<void(int)>* fn;
@@ -330,7 +343,7 @@ class Pool {
 
   uint64_t wait_for_job(uint64_t seen) {
     using clock = std::chrono::steady_clock;
-    const auto until = clock::now() + std::chrono::microseconds(200);
+    const auto until = clock::now() + std::chrono::microseconds(SPIN_US);
     for (int spin = 0;; ++spin) {
       const uint64_t g = gen_.load(std::memory_order_acquire);
       if (g != seen) return g;
@@ -352,8 +365,13 @@ class Pool {
 };
 
 std::mutex g_pool_mu;  // one problem on the pool at a time; others run alone
-std::unique_ptr<Pool> g_pool;
+// Never destroyed at exit: a static destructor would join workers while MLX's
+// stream thread may still be inside a matmul during interpreter shutdown
+// (seen as "terminate called without an active exception"); the OS reaps the
+// threads. set_threads() replaces it explicitly.
+Pool* g_pool = nullptr;
 int g_threads = 0;
+std::atomic<bool> g_avx512_allowed{true};
 
 int cores() {
   cpu_set_t set;
@@ -361,9 +379,13 @@ int cores() {
   return std::max(1u, std::thread::hardware_concurrency());
 }
 
-// Below this many packed weights a problem runs on the calling thread: waking
-// a worker costs more than it saves.
-constexpr int64_t PARALLEL_MIN_WEIGHTS = 256 * 1024;
+// Below this much work (weights times rows) a problem runs on the calling
+// thread. Waking a worker costs tens of microseconds on a busy machine, and
+// while a decode step runs, MLX's own threads (the one building the next
+// step's graph, the stream's) want the other cores: on the default model
+// only the LM head and batched steps are worth splitting (one row of its largest
+// linear, 576 x 1536, stays below; four rows of a 576 x 576 one go above).
+constexpr int64_t PARALLEL_MIN_WORK = 1024 * 1024;
 
 }  // namespace
 
@@ -382,23 +404,37 @@ bool shape_supported(int bits, int group_size, int K) {
 void set_threads(int n) {
   std::lock_guard<std::mutex> lock(g_pool_mu);
   g_threads = std::max(0, n);
-  g_pool.reset();
+  delete g_pool;
+  g_pool = nullptr;
 }
 
 int threads() { return g_threads > 0 ? g_threads : cores(); }
 
+void set_avx512(bool allowed) { g_avx512_allowed.store(allowed); }
+
+bool avx512_active() { return g_avx512_allowed.load() && detail::avx512_supported(); }
+
 void qmm(const QmmProblem& p) {
-  const ColumnsFn fn = pick(p.bits, p.scale_type);
-  if (fn == nullptr || p.M <= 0 || p.N <= 0) return;
+  if (p.M <= 0 || p.N <= 0) return;
+  ColumnsFn fn = avx512_active() ? detail::avx512_columns(p.bits, p.scale_type) : nullptr;
   thread_local std::vector<float> xbuf;
-  prepare_x(p, p.bits == 4, xbuf);
-  const float* xs = xbuf.data();
+  Prepared x;
+  if (fn != nullptr) {
+    x = detail::avx512_prepare(p, xbuf);
+  } else {
+    fn = pick(p.bits, p.scale_type);
+    if (fn == nullptr) return;
+    x = prepare_x(p, p.bits == 4, xbuf);
+  }
 
   const int want = threads();
-  const int64_t weights = int64_t(p.N) * p.K;
+  const int64_t work = int64_t(p.N) * p.K * p.M;
   std::unique_lock<std::mutex> lock(g_pool_mu, std::defer_lock);
-  if (want > 1 && weights >= PARALLEL_MIN_WEIGHTS && p.N >= 8 * want && lock.try_lock()) {
-    if (!g_pool || g_pool->size() != want) g_pool = std::make_unique<Pool>(want);
+  if (want > 1 && work >= PARALLEL_MIN_WORK && p.N >= 8 * want && lock.try_lock()) {
+    if (g_pool == nullptr || g_pool->size() != want) {
+      delete g_pool;
+      g_pool = new Pool(want);
+    }
     // Parts of whole 4-column tiles, a few per thread so that a late worker
     // leaves little for the others to wait on.
     const int parts = std::max(1, std::min(4 * want, p.N / 16));
@@ -406,12 +442,12 @@ void qmm(const QmmProblem& p) {
     const std::function<void(int)> job = [&](int part) {
       const int begin = part * per;
       const int end = std::min(p.N, begin + per);
-      if (begin < end) fn(p, xs, begin, end);
+      if (begin < end) fn(p, x, begin, end);
     };
     g_pool->run(parts, job);
     return;
   }
-  fn(p, xs, 0, p.N);
+  fn(p, x, 0, p.N);
 }
 
 }  // namespace flashserve_qmm

@@ -1,4 +1,5 @@
-// Quantized matmul for a few rows on x86-64 CPUs (AVX2 + FMA + F16C).
+// Quantized matmul for a few rows on x86-64 CPUs (AVX2 + FMA + F16C; AVX-512
+// for 4 and 8 bits where the CPU has it, picked at run time).
 //
 // y[m, n] = sum_k x[m, k] * (scale[n, g] * q[n, k] + bias[n, g]), g = k / group_size,
 // on MLX's affine-quantized weights as they lie in memory: each row of W is a
@@ -41,6 +42,11 @@ bool cpu_supported();
 
 // Which bit widths and group sizes the kernel takes.
 bool shape_supported(int bits, int group_size, int K);
+
+// Whether 4- and 8-bit problems take the AVX-512 kernel: allowed by default,
+// and used where the CPU has AVX-512 (tests turn it off to check AVX2's).
+void set_avx512(bool allowed);
+bool avx512_active();
 
 // Computes the problem, spread over the pool's threads when it is large.
 void qmm(const QmmProblem& p);

@@ -4,6 +4,8 @@
 // domain so mx.array objects pass through unchanged.
 //
 //   qmm(x, w, scales, biases, group_size, bits) -> x @ dequantize(w).T
+//   qmm_multi(x, [w], [scales], [biases], [group_size], [bits]) -> [x @ dequantize(w[i]).T]
+//       weights that share an input (q/k/v, gate/up) as one op, one output each
 //   gather_qmm(x, w, scales, biases, rows_expert, group_size, bits)
 //       row r of x (flattened to rows) against expert rows_expert[r] of a
 //       stacked (E, N, K * bits / 32) weight
@@ -11,6 +13,7 @@
 // x is float32; w uint32; scales and biases float32, float16 or bfloat16.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include <algorithm>
 #include <cstring>
@@ -114,6 +117,96 @@ std::vector<const float*> x_rows(const mx::array& x, int64_t M, int K, std::vect
   return rows;
 }
 
+// One problem: out = x @ dequantize(w).T, or with `index` each row against
+// its expert's matrix in a stacked weight.
+void compute(const mx::array& x, const mx::array& w, const mx::array& scales,
+             const mx::array& biases, const mx::array* index, mx::array& out, int gs, int bits) {
+  const int K = x.shape(-1);
+  const int N = w.shape(-2);
+  const int64_t M = x.size() / K;
+  const int64_t words = w.shape(-1);
+  const int64_t groups = scales.shape(-1);
+  const int64_t experts = index ? w.shape(0) : 1;
+  std::vector<char> keep_x, keep_w, keep_s, keep_b;
+  int64_t w_stride, s_stride, b_stride;
+  const std::vector<const float*> xr = x_rows(x, M, K, keep_x);
+  const uint32_t* wp = rows_of<uint32_t>(w, experts * N, words, w_stride, keep_w);
+  const char* sp;
+  const char* bp;
+  const int64_t srows = experts * N;
+  if (scales.dtype() == mx::float32) {
+    sp = reinterpret_cast<const char*>(rows_of<float>(scales, srows, groups, s_stride, keep_s));
+    bp = reinterpret_cast<const char*>(rows_of<float>(biases, srows, groups, b_stride, keep_b));
+    if (s_stride != b_stride) {  // one layout for both: copy them
+      sp = reinterpret_cast<const char*>(rows_of<float>(scales, srows, groups, s_stride, keep_s, true));
+      bp = reinterpret_cast<const char*>(rows_of<float>(biases, srows, groups, b_stride, keep_b, true));
+    }
+  } else {
+    sp = reinterpret_cast<const char*>(rows_of<uint16_t>(scales, srows, groups, s_stride, keep_s));
+    bp = reinterpret_cast<const char*>(rows_of<uint16_t>(biases, srows, groups, b_stride, keep_b));
+    if (s_stride != b_stride) {
+      sp = reinterpret_cast<const char*>(rows_of<uint16_t>(scales, srows, groups, s_stride, keep_s, true));
+      bp = reinterpret_cast<const char*>(rows_of<uint16_t>(biases, srows, groups, b_stride, keep_b, true));
+    }
+  }
+  const size_t esize = scales.itemsize();
+
+  QmmProblem p{};
+  p.K = K;
+  p.N = N;
+  p.bits = bits;
+  p.group_size = gs;
+  p.scale_type = scale_type_of(scales);
+  p.w_stride = w_stride;
+  p.s_stride = s_stride;
+  float* op = out.data<float>();
+
+  if (index == nullptr) {
+    p.x = xr.data();
+    p.M = int(M);
+    p.w = wp;
+    p.scales = sp;
+    p.biases = bp;
+    p.out = op;
+    p.out_stride = N;
+    flashserve_qmm::qmm(p);
+    return;
+  }
+
+  // Gather: rows grouped by expert; each expert runs once on its rows. A
+  // row's arithmetic is the same as in the plain op (rows are independent).
+  const uint32_t* idx = index->data<uint32_t>();
+  std::vector<int64_t> order(M);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return idx[a] < idx[b]; });
+  std::vector<const float*> xg;
+  std::vector<float> yg;
+  for (int64_t start = 0; start < M;) {
+    const uint32_t e = idx[order[start]];
+    int64_t end = start;
+    while (end < M && idx[order[end]] == e) ++end;
+    if (e >= uint32_t(experts)) throw std::out_of_range("flashserve gather_qmm: expert index");
+    const int64_t rows = end - start;
+    xg.resize(rows);
+    yg.resize(size_t(rows) * N);
+    for (int64_t r = 0; r < rows; ++r) xg[r] = xr[order[start + r]];
+    p.x = xg.data();
+    p.M = int(rows);
+    p.w = wp + int64_t(e) * N * w_stride;
+    p.scales = sp + int64_t(e) * N * s_stride * esize;
+    p.biases = bp + int64_t(e) * N * s_stride * esize;
+    p.out = yg.data();
+    p.out_stride = N;
+    flashserve_qmm::qmm(p);
+    for (int64_t r = 0; r < rows; ++r) {
+      std::memcpy(op + order[start + r] * N, yg.data() + r * N, sizeof(float) * N);
+    }
+    start = end;
+  }
+}
+
+
 class FlashserveQMM : public mx::UnaryPrimitive {
  public:
   FlashserveQMM(mx::Stream stream, int group_size, int bits, bool gather)
@@ -151,97 +244,55 @@ class FlashserveQMM : public mx::UnaryPrimitive {
   }
 
  private:
-  static void compute(const mx::array& x, const mx::array& w, const mx::array& scales,
-                      const mx::array& biases, const mx::array* index, mx::array& out, int gs,
-                      int bits) {
-    const int K = x.shape(-1);
-    const int N = w.shape(-2);
-    const int64_t M = x.size() / K;
-    const int64_t words = w.shape(-1);
-    const int64_t groups = scales.shape(-1);
-    const int64_t experts = index ? w.shape(0) : 1;
-    std::vector<char> keep_x, keep_w, keep_s, keep_b;
-    int64_t w_stride, s_stride, b_stride;
-    const std::vector<const float*> xr = x_rows(x, M, K, keep_x);
-    const uint32_t* wp = rows_of<uint32_t>(w, experts * N, words, w_stride, keep_w);
-    const char* sp;
-    const char* bp;
-    const int64_t srows = experts * N;
-    if (scales.dtype() == mx::float32) {
-      sp = reinterpret_cast<const char*>(rows_of<float>(scales, srows, groups, s_stride, keep_s));
-      bp = reinterpret_cast<const char*>(rows_of<float>(biases, srows, groups, b_stride, keep_b));
-      if (s_stride != b_stride) {  // one layout for both: copy them
-        sp = reinterpret_cast<const char*>(rows_of<float>(scales, srows, groups, s_stride, keep_s, true));
-        bp = reinterpret_cast<const char*>(rows_of<float>(biases, srows, groups, b_stride, keep_b, true));
-      }
-    } else {
-      sp = reinterpret_cast<const char*>(rows_of<uint16_t>(scales, srows, groups, s_stride, keep_s));
-      bp = reinterpret_cast<const char*>(rows_of<uint16_t>(biases, srows, groups, b_stride, keep_b));
-      if (s_stride != b_stride) {
-        sp = reinterpret_cast<const char*>(rows_of<uint16_t>(scales, srows, groups, s_stride, keep_s, true));
-        bp = reinterpret_cast<const char*>(rows_of<uint16_t>(biases, srows, groups, b_stride, keep_b, true));
-      }
-    }
-    const size_t esize = scales.itemsize();
-
-    QmmProblem p{};
-    p.K = K;
-    p.N = N;
-    p.bits = bits;
-    p.group_size = gs;
-    p.scale_type = scale_type_of(scales);
-    p.w_stride = w_stride;
-    p.s_stride = s_stride;
-    float* op = out.data<float>();
-
-    if (index == nullptr) {
-      p.x = xr.data();
-      p.M = int(M);
-      p.w = wp;
-      p.scales = sp;
-      p.biases = bp;
-      p.out = op;
-      p.out_stride = N;
-      flashserve_qmm::qmm(p);
-      return;
-    }
-
-    // Gather: rows grouped by expert; each expert runs once on its rows. A
-    // row's arithmetic is the same as in the plain op (rows are independent).
-    const uint32_t* idx = index->data<uint32_t>();
-    std::vector<int64_t> order(M);
-    std::iota(order.begin(), order.end(), 0);
-    std::stable_sort(order.begin(), order.end(),
-                     [&](int64_t a, int64_t b) { return idx[a] < idx[b]; });
-    std::vector<const float*> xg;
-    std::vector<float> yg;
-    for (int64_t start = 0; start < M;) {
-      const uint32_t e = idx[order[start]];
-      int64_t end = start;
-      while (end < M && idx[order[end]] == e) ++end;
-      if (e >= uint32_t(experts)) throw std::out_of_range("flashserve gather_qmm: expert index");
-      const int64_t rows = end - start;
-      xg.resize(rows);
-      yg.resize(size_t(rows) * N);
-      for (int64_t r = 0; r < rows; ++r) xg[r] = xr[order[start + r]];
-      p.x = xg.data();
-      p.M = int(rows);
-      p.w = wp + int64_t(e) * N * w_stride;
-      p.scales = sp + int64_t(e) * N * s_stride * esize;
-      p.biases = bp + int64_t(e) * N * s_stride * esize;
-      p.out = yg.data();
-      p.out_stride = N;
-      flashserve_qmm::qmm(p);
-      for (int64_t r = 0; r < rows; ++r) {
-        std::memcpy(op + order[start + r] * N, yg.data() + r * N, sizeof(float) * N);
-      }
-      start = end;
-    }
-  }
-
   int group_size_;
   int bits_;
   bool gather_;
+};
+
+// Several weights that share one input (an attention block's q, k and v
+// projections; an MLP's gate and up): one op in the graph instead of one per
+// weight, with one output each. Each output is computed exactly as the single
+// op computes it, so fusing never changes a number.
+class FlashserveQMMMulti : public mx::Primitive {
+ public:
+  FlashserveQMMMulti(mx::Stream stream, std::vector<int> group_sizes, std::vector<int> bits)
+      : mx::Primitive(stream), group_sizes_(std::move(group_sizes)), bits_(std::move(bits)) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    std::vector<mx::array> ins, outs;
+    for (const auto& a : inputs) {
+      encoder.set_input_array(a);
+      ins.push_back(mx::array::unsafe_weak_copy(a));
+    }
+    for (auto& o : outputs) {
+      o.set_data(mx::allocator::malloc(o.nbytes()));
+      encoder.set_output_array(o);
+      outs.push_back(mx::array::unsafe_weak_copy(o));
+    }
+    encoder.dispatch([ins = std::move(ins), outs = std::move(outs), gs = group_sizes_,
+                      bits = bits_]() mutable {
+      for (size_t i = 0; i < outs.size(); ++i) {
+        compute(ins[0], ins[1 + 3 * i], ins[2 + 3 * i], ins[3 + 3 * i], nullptr, outs[i], gs[i],
+                bits[i]);
+      }
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("flashserve qmm runs on the CPU stream only");
+  }
+
+  const char* name() const override { return "FlashserveQMMMulti"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const FlashserveQMMMulti&>(other);
+    return group_sizes_ == o.group_sizes_ && bits_ == o.bits_;
+  }
+
+ private:
+  std::vector<int> group_sizes_;
+  std::vector<int> bits_;
 };
 
 void check(bool ok, const char* what) {
@@ -278,6 +329,29 @@ mx::array qmm(const mx::array& x, const mx::array& w, const mx::array& scales,
                    {x, w, scales, biases});
 }
 
+std::vector<mx::array> qmm_multi(const mx::array& x, const std::vector<mx::array>& ws,
+                                 const std::vector<mx::array>& scales,
+                                 const std::vector<mx::array>& biases,
+                                 const std::vector<int>& group_sizes,
+                                 const std::vector<int>& bits) {
+  const size_t n = ws.size();
+  check(n > 0 && scales.size() == n && biases.size() == n && group_sizes.size() == n &&
+            bits.size() == n,
+        "qmm_multi takes one scales, biases, group size and width per weight");
+  std::vector<mx::array> inputs{x};
+  std::vector<mx::Shape> shapes;
+  for (size_t i = 0; i < n; ++i) {
+    check_weights(x, ws[i], scales[i], biases[i], group_sizes[i], bits[i], 2);
+    auto shape = x.shape();
+    shape.back() = ws[i].shape(0);
+    shapes.push_back(shape);
+    inputs.insert(inputs.end(), {ws[i], scales[i], biases[i]});
+  }
+  return mx::array::make_arrays(
+      std::move(shapes), std::vector<mx::Dtype>(n, mx::float32),
+      std::make_shared<FlashserveQMMMulti>(cpu_stream(), group_sizes, bits), inputs);
+}
+
 mx::array gather_qmm(const mx::array& x, const mx::array& w, const mx::array& scales,
                      const mx::array& biases, const mx::array& rows_expert, int group_size,
                      int bits) {
@@ -305,6 +379,9 @@ NB_MODULE(_qmm, m) {
   m.doc() = "flashserve's CPU quantized matmul for few rows, as an MLX primitive";
   m.def("qmm", &qmm, "x"_a, "w"_a, "scales"_a, "biases"_a, "group_size"_a, "bits"_a,
         "x @ dequantize(w, scales, biases).T on the CPU stream (x float32, rows flattened)");
+  m.def("qmm_multi", &qmm_multi, "x"_a, "w"_a, "scales"_a, "biases"_a, "group_sizes"_a,
+        "bits"_a,
+        "[x @ dequantize(w[i]).T for each i] as one op: weights that share an input");
   m.def("gather_qmm", &gather_qmm, "x"_a, "w"_a, "scales"_a, "biases"_a, "rows_expert"_a,
         "group_size"_a, "bits"_a,
         "each row of x against its expert's weight in a stacked (E, N, K') weight");
@@ -313,6 +390,10 @@ NB_MODULE(_qmm, m) {
   m.def("set_threads", &flashserve_qmm::set_threads, "n"_a,
         "threads the kernel uses, the calling one included; 0: one per core");
   m.def("threads", &flashserve_qmm::threads);
+  m.def("set_avx512", &flashserve_qmm::set_avx512, "allowed"_a,
+        "whether 4- and 8-bit problems may take the AVX-512 kernel (default: allowed)");
+  m.def("avx512_active", &flashserve_qmm::avx512_active,
+        "whether 4- and 8-bit problems take the AVX-512 kernel now");
   m.def("compiled_mlx_version", &compiled_mlx_version,
         "the MLX version whose headers this module was compiled against");
   m.def("runtime_mlx_version", [] { return std::string(mx::version()); },

@@ -1,0 +1,33 @@
+// What qmm_kernels.cpp (AVX2, every width, the thread pool) shares with the
+// AVX-512 kernel for 4 and 8 bits (qmm_avx512.cpp), which it picks at run
+// time when the CPU has AVX-512.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "qmm_kernels.h"
+
+namespace flashserve_qmm::detail {
+
+// x's rows in the layout one kernel reads, prepared once per call.
+struct Prepared {
+  const float* xs;       // M rows, x_stride floats apart
+  int64_t x_stride;
+  const float* xsum;     // per row, the sum of x over each group (AVX-512 only)
+  int64_t sum_stride;
+};
+
+// Columns [n_begin, n_end) of every row.
+using ColumnsFn = void (*)(const QmmProblem&, const Prepared&, int n_begin, int n_end);
+
+// True when this CPU runs the AVX-512 kernel (F, BW, DQ, VL).
+bool avx512_supported();
+
+// The AVX-512 kernel for this width and scale type, or nullptr (then AVX2's).
+ColumnsFn avx512_columns(int bits, ScaleType st);
+
+// x in the AVX-512 kernel's layout for p.bits, into `buf`.
+Prepared avx512_prepare(const QmmProblem& p, std::vector<float>& buf);
+
+}  // namespace flashserve_qmm::detail
