@@ -80,6 +80,9 @@ def start(config: EngineConfig) -> Node:
     node.loaded = loaded
     if rank == 0:
         node.watchdog.wait_connected()
+        node.watchdog.wait_peers(lambda status: "layers" in status)
+    else:
+        node.watchdog.beat_now()  # rank 0 waits for this rank's layers
     channel.post = node.watchdog
     mx.clear_cache()
     return node

@@ -58,6 +58,7 @@ class Watchdog:
         self._listener: socket.socket | None = None
         self._connected = threading.Event()  # rank 0: every other rank has connected
         self._bell = threading.Condition()
+        self._peers_changed = threading.Condition()
         self._messages: dict[int, Any] = {}  # channel messages from rank 0, by number
 
     # -- rank 0 ---------------------------------------------------------------------
@@ -99,6 +100,22 @@ class Watchdog:
         """Rank 0: until every other rank is connected (a ring must reach them all)."""
         if not self._connected.wait(CONNECT_TIMEOUT_S + 1):
             fatal("the other ranks did not connect to rank 0's watchdog")
+
+    def wait_peers(self, ready: Callable[[dict], bool]) -> None:
+        """Rank 0: until every other rank's last status passes `ready` (their
+        layers are known before /memory can be asked)."""
+        others = range(1, self.size)
+        with self._peers_changed:
+            if not self._peers_changed.wait_for(
+                lambda: all(r in self.peers and ready(self.peers[r]) for r in others),
+                CONNECT_TIMEOUT_S,
+            ):
+                missing = [r for r in others if not ready(self.peers.get(r, {}))]
+                fatal(f"rank(s) {missing} did not report ready to rank 0")
+
+    def beat_now(self) -> None:
+        """Send this rank's heartbeat (and status) at once, not at the next tick."""
+        self._send_all(self._beat_body())
 
     def post(self, number: int, message: Any) -> None:
         """Rank 0: channel message `number` to every other rank."""
@@ -171,18 +188,23 @@ class Watchdog:
             if message.get("bye"):
                 self.closing = True
             if "status" in message:
-                self.peers[rank] = message["status"]
+                with self._peers_changed:
+                    self.peers[rank] = message["status"]
+                    self._peers_changed.notify_all()
 
     def _beat(self) -> None:
         while True:
-            body: dict[str, Any] = {"beat": time.time()}
-            if self.rank != 0:
-                try:
-                    body["status"] = self.status()
-                except Exception as exc:  # a status is nice to have; the beat is not
-                    log.debug("rank status failed: %s", exc)
-            self._send_all(body)
+            self._send_all(self._beat_body())
             time.sleep(INTERVAL_S)
+
+    def _beat_body(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"beat": time.time()}
+        if self.rank != 0:
+            try:
+                body["status"] = self.status()
+            except Exception as exc:  # a status is nice to have; the beat is not
+                log.debug("rank status failed: %s", exc)
+        return body
 
     def _send_all(self, body: dict) -> None:
         with self._lock:
