@@ -8,7 +8,7 @@ experts, streaming and loader; `generation` imports it (the worker's hooks).
 - `ranges`    which decoder layers each rank owns (`layer_split`, or even).
 - `pipeline`  the model's layer list on one rank: owned layers run, the others
               are pass-through stubs; hidden states cross ranks at the boundaries.
-- `channel`   rank 0's messages to the other ranks (bytes through all_sum).
+- `channel`   rank 0's messages to the other ranks (over the watchdog's TCP lines).
 - `mirror`    rank 0's side: the worker's batch, announced to the followers
               before each step; sampled tokens broadcast from rank 0.
 - `follower`  the other ranks: replay rank 0's batch operations, step by step.

@@ -17,7 +17,7 @@ import mlx.core as mx
 
 from flashserve.engine.config import EngineConfig
 from flashserve.engine.distributed import group as groups
-from flashserve.engine.distributed.channel import Channel
+from flashserve.engine.distributed.channel import Channel, share_from_rank0
 from flashserve.engine.distributed.pipeline import Pipeline, install, num_layers
 from flashserve.engine.distributed.ranges import LayerSplitError, split_layers
 from flashserve.engine.distributed.watchdog import Watchdog
@@ -63,14 +63,13 @@ def start(config: EngineConfig) -> Node:
     config.prompt_cache_bytes = 0
     config.prompt_cache_disk_bytes = 0
     config.prefill_order = "chunked"
-    channel = Channel(group)
-    node = Node(group, rank, size, config, channel, Watchdog(rank, size, lambda: node.status()))
-    # The watchdog's port is rank 0's to choose: it travels in the first message.
+    watchdog = Watchdog(rank, size, lambda: node.status())
+    node = Node(group, rank, size, config, Channel(rank, watchdog), watchdog)
+    # The watchdog's port is rank 0's to choose.
     if rank == 0:
-        channel.send({"watchdog_port": node.watchdog.listen(groups.coordinator_host())})
+        share_from_rank0(group, watchdog.listen(groups.coordinator_host()))
     else:
-        port = int(channel.receive()["watchdog_port"])
-        node.watchdog.connect(groups.coordinator_host(), port)
+        watchdog.connect(groups.coordinator_host(), share_from_rank0(group, 0))
     loaded = load(config)
     try:
         ranges = split_layers(num_layers(loaded.model), size, config.layer_split)
@@ -79,10 +78,9 @@ def start(config: EngineConfig) -> Node:
     node.pipeline = install(loaded.model, group, ranges)
     node.loaded = loaded
     if rank == 0:
-        node.watchdog.wait_connected()
-        node.watchdog.wait_peers(lambda status: "layers" in status)
+        watchdog.wait_connected()  # a message must reach every rank
+        watchdog.wait_peers(lambda status: "layers" in status)
     else:
-        node.watchdog.beat_now()  # rank 0 waits for this rank's layers
-    channel.post = node.watchdog
+        watchdog.beat_now()  # rank 0 waits for this rank's layers
     mx.clear_cache()
     return node

@@ -8,11 +8,9 @@ line of JSON every second over TCP: a closed connection, or silence past
 lost before it exits, so every message names the same rank. The followers'
 lines also carry their status (layers, memory) for rank 0's /memory.
 
-Once every rank is connected, the same connections carry the channel's
-messages (channel.py): rank 0's step announcements arrive here as lines, and
-a follower waits for the next one in a blocking read. MLX's ring backend
-polls its sockets while a receive is pending, a core's worth of CPU, so an
-idle follower waiting in a collective would burn a core.
+The same connections carry the channel's messages (channel.py): rank 0's
+step announcements arrive here as numbered lines, and a follower waits for
+the next one in a blocking read.
 """
 
 from __future__ import annotations
