@@ -27,6 +27,7 @@ SOURCES = [
     "engine/compute/csrc/qmm_module.cpp",
     "engine/compute/csrc/qmm_kernels.cpp",
     "engine/compute/csrc/qmm_avx512.cpp",
+    "engine/compute/csrc/layer_ops.cpp",
 ]
 
 
@@ -54,7 +55,7 @@ class OptionalBuildExt(build_ext):
 
     def finalize_options(self) -> None:
         super().finalize_options()
-        # Compile the four sources at once (nanobind's alone takes ~20 s).
+        # Compile the five sources at once (nanobind's alone takes ~20 s).
         if self.parallel is None:
             self.parallel = True
 

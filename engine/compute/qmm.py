@@ -145,6 +145,12 @@ def set_active(on: bool) -> None:
     _state.active = on
 
 
+def extension() -> ModuleType | None:
+    """The compiled extension where the fast path can run here, else None."""
+    unavailable_reason()
+    return _state.module
+
+
 def set_threads(n: int) -> None:
     """Threads the kernel uses, the calling one included; 0: one per core."""
     if unavailable_reason() is None:

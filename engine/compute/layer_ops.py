@@ -1,0 +1,168 @@
+"""A decoder layer's small ops on the CPU: RMSNorm, RoPE and decode attention as one op each.
+
+MLX's CPU backend has no kernel for mx.fast.rms_norm, mx.fast.rope or
+mx.fast.scaled_dot_product_attention: each is built from its composed
+fallback (15, 31 and 18 graph nodes). A decode step of the default model had
+3,380 nodes, and on the CPU each node costs microseconds of graph walking,
+allocation and hand-off to MLX's stream thread whatever its size: with the
+quantized matmuls fast (compute/qmm.py), these nodes were most of a
+one-stream step (issue 22). The extension (csrc/layer_ops.cpp) computes each
+in one pass, one node.
+
+`install()` routes the three mx.fast functions through this module, so every
+mlx-lm architecture's call sites take them unchanged. A call takes the fast
+op when the quantized-matmul fast path is on (the `quantized_matmul`
+setting: one switch for flashserve's CPU path), its arrays are float32 on
+the default CPU stream, and, for attention, there are at most
+`SDPA_MAX_QUERIES` query rows (decode; prompt chunks keep MLX's matmul-based
+fallback, which the BLAS makes fast) and no attention sinks. Anything else
+goes to MLX's function. Results agree with MLX's to float32 rounding; every
+path of a request (resident, streamed, cached, batched) takes the same op,
+so they still agree with each other exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import mlx.core as mx
+
+from flashserve.engine.compute import qmm
+
+SDPA_MAX_QUERIES = 8  # query rows per head up to which attention takes the fast op
+
+_MASK_MODES = {None: 0, "causal": 1}  # array masks: 2 (bool), 3 (additive float32)
+
+
+class _State:
+    enabled = True  # the bench and tests turn it off to compare with MLX's ops
+    original: ClassVar[dict[str, Callable[..., mx.array]]] = {}  # MLX's functions, once installed
+
+
+_state = _State()
+
+
+def install() -> None:
+    """Route mx.fast's rms_norm, rope and scaled_dot_product_attention through here (once)."""
+    if _state.original:
+        return
+    for name, fn in (
+        ("rms_norm", rms_norm),
+        ("rope", rope),
+        ("scaled_dot_product_attention", scaled_dot_product_attention),
+    ):
+        _state.original[name] = getattr(mx.fast, name)
+        setattr(mx.fast, name, fn)
+
+
+def set_enabled(on: bool) -> None:
+    """Allow or forbid the fast layer ops while the fast path is on (the bench compares)."""
+    _state.enabled = on
+
+
+def _fast() -> Any | None:
+    """The extension when calls may take the fast ops now, else None."""
+    if not (_state.enabled and qmm.active()):
+        return None
+    return qmm.extension()
+
+
+def _original(name: str) -> Callable[..., mx.array]:
+    return _state.original.get(name) or getattr(mx.fast, name)
+
+
+def rms_norm(x: mx.array, weight: mx.array | None, eps: float, *, stream: Any = None) -> mx.array:
+    """mx.fast.rms_norm, as one op on the CPU for float32 (with or without a weight)."""
+    ext = _fast()
+    if (
+        ext is not None
+        and stream is None
+        and x.dtype == mx.float32
+        and x.ndim >= 1
+        and (
+            weight is None
+            or (weight.dtype == mx.float32 and weight.ndim == 1 and weight.shape[0] == x.shape[-1])
+        )
+    ):
+        return ext.rms_norm(x, [] if weight is None else [weight], eps)
+    return _original("rms_norm")(x, weight, eps, stream=stream)
+
+
+def rope(
+    a: mx.array,
+    dims: int,
+    *,
+    traditional: bool,
+    base: float | None,
+    scale: float,
+    offset: int | mx.array,
+    freqs: mx.array | None = None,
+    stream: Any = None,
+) -> mx.array:
+    """mx.fast.rope, as one op on the CPU for float32 (3-D or 4-D input)."""
+    ext = _fast()
+    if (
+        ext is not None
+        and stream is None
+        and a.dtype == mx.float32
+        and a.ndim in (3, 4)
+        and (base is None) != (freqs is None)
+        and 0 < dims <= a.shape[-1]
+        and dims % 2 == 0
+    ):
+        if isinstance(offset, mx.array):
+            off = offset if offset.dtype == mx.int32 else offset.astype(mx.int32)
+        else:
+            off = mx.array(offset, dtype=mx.int32)
+        if off.ndim <= 1 and off.size in (1, a.shape[0]):
+            fs = (
+                []
+                if freqs is None
+                else [freqs if freqs.dtype == mx.float32 else freqs.astype(mx.float32)]
+            )
+            b = 1.0 if base is None else float(base)
+            return ext.rope(a, off, fs, dims, traditional, b, float(scale))
+    return _original("rope")(
+        a,
+        dims,
+        traditional=traditional,
+        base=base,
+        scale=scale,
+        offset=offset,
+        freqs=freqs,
+        stream=stream,
+    )
+
+
+def scaled_dot_product_attention(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    *,
+    scale: float,
+    mask: str | mx.array | None = None,
+    sinks: mx.array | None = None,
+    stream: Any = None,
+) -> mx.array:
+    """mx.fast.scaled_dot_product_attention, as one op on the CPU for few float32 query rows."""
+    ext = _fast()
+    if (
+        ext is not None
+        and stream is None
+        and sinks is None
+        and q.ndim == k.ndim == v.ndim == 4
+        and q.dtype == k.dtype == v.dtype == mx.float32
+        and q.shape[2] <= SDPA_MAX_QUERIES
+        and q.shape[1] % k.shape[1] == 0
+    ):
+        if isinstance(mask, mx.array):
+            if mask.dtype == mx.bool_:
+                return ext.sdpa(q, k, v, [mask], 2, scale)
+            if mask.dtype == mx.float32:
+                return ext.sdpa(q, k, v, [mask], 3, scale)
+        elif mask in _MASK_MODES:
+            return ext.sdpa(q, k, v, [], _MASK_MODES[mask], scale)
+    return _original("scaled_dot_product_attention")(
+        q, k, v, scale=scale, mask=mask, sinks=sinks, stream=stream
+    )
