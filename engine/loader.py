@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 
-from flashserve.engine.compute import layer_ops, qmm
+from flashserve.engine.compute import qmm, step_ops
 from flashserve.engine.compute.half_scales import float32_embeddings
 from flashserve.engine.compute.prompt_matmul import use_blas_for_prompts
 from flashserve.engine.config import EngineConfig
@@ -52,7 +52,7 @@ def load(config: EngineConfig) -> LoadedModel:
         qmm.select(config.quantized_matmul)
     except qmm.QmmError as exc:
         raise ModelLoadError(str(exc)) from None
-    layer_ops.install()  # norms, RoPE, decode attention: one op each while the fast path is on
+    step_ops.use_fast_swiglu()  # and norms, RoPE, attention, log-sum-exp: one op each on the CPU
     changed = qmm.use_fast_qmm(loaded.model)
     if loaded.experts is not None:
         # Offloaded experts compute through their original SwitchGLU (kept

@@ -382,7 +382,7 @@ int cores() {
 // Below this much work (weights times rows) a problem runs on the calling
 // thread. Waking a worker costs microseconds, and while a decode step runs,
 // MLX's thread building the next step's graph wants the other core too. Once
-// the per-layer small ops became one node each (layer_ops.cpp), that thread
+// the per-layer small ops became one node each (step_ops.cpp), that thread
 // idles most of a one-stream step, and splitting one row of a 576 x 576
 // linear and larger (not the 576 x 192 k/v projections) gave ~10% more
 // tokens/s than splitting only the LM head and batched steps (1M).

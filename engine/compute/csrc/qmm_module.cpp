@@ -30,7 +30,7 @@
 #include "mlx/stream.h"
 #include "mlx/utils.h"
 #include "mlx/version.h"
-#include "layer_ops.h"
+#include "step_ops.h"
 #include "qmm_kernels.h"
 
 namespace nb = nanobind;
@@ -402,5 +402,5 @@ NB_MODULE(_qmm, m) {
         "the MLX version whose headers this module was compiled against");
   m.def("runtime_mlx_version", [] { return std::string(mx::version()); },
         "the version of the libmlx this module is linked to at run time");
-  add_layer_ops(m);
+  add_step_ops(m);
 }

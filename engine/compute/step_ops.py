@@ -1,4 +1,4 @@
-"""A decoder layer's small ops on the CPU: RMSNorm, RoPE and decode attention as one op each.
+"""A decode step's small ops on the CPU: RMSNorm, RoPE, attention, SwiGLU, log-sum-exp.
 
 MLX's CPU backend has no kernel for mx.fast.rms_norm, mx.fast.rope or
 mx.fast.scaled_dot_product_attention: each is built from its composed
@@ -6,27 +6,35 @@ fallback (15, 31 and 18 graph nodes). A decode step of the default model had
 3,380 nodes, and on the CPU each node costs microseconds of graph walking,
 allocation and hand-off to MLX's stream thread whatever its size: with the
 quantized matmuls fast (compute/qmm.py), these nodes were most of a
-one-stream step (issue 22). The extension (csrc/layer_ops.cpp) computes each
-in one pass, one node.
+one-stream step (issue 22). The extension (csrc/step_ops.cpp) computes each
+in one pass, one node. Two are one node already but scalar: mx.logsumexp
+(0.9 ms per row over the default model's 49k vocabulary, which mlx-lm's
+sampler normalizes every step), and mlx-lm's compiled `swiglu` (MLX's
+compiled CPU kernels call a scalar exp per element); the extension's are
+vectorized.
 
-`install()` routes the three mx.fast functions through this module, so every
-mlx-lm architecture's call sites take them unchanged. A call takes the fast
-op when the quantized-matmul fast path is on (the `quantized_matmul`
-setting: one switch for flashserve's CPU path), its arrays are float32 on
-the default CPU stream, and, for attention, there are at most
-`SDPA_MAX_QUERIES` query rows (decode; prompt chunks keep MLX's matmul-based
-fallback, which the BLAS makes fast) and no attention sinks. Anything else
-goes to MLX's function. Results agree with MLX's to float32 rounding; every
-path of a request (resident, streamed, cached, batched) takes the same op,
-so they still agree with each other exactly.
+`install()` routes the three mx.fast functions and mx.logsumexp through this
+module, and replaces `swiglu` in mlx-lm's model modules (each imports its
+own name for it), so every architecture's and sampler's call sites take
+them unchanged. A call takes the fast op when the fast path is on (the
+`quantized_matmul` setting: one switch for flashserve's CPU path), its
+arrays are float32 on the default CPU stream and, for attention, there are
+at most `SDPA_MAX_QUERIES` query rows (decode; prompt chunks keep MLX's
+matmul-based fallback, which the BLAS makes fast) and no attention sinks;
+log-sum-exp must reduce the last axis. Anything else goes to MLX's function.
+Results agree with MLX's to float32 rounding; every path of a request
+(resident, streamed, cached, batched) takes the same op, so they still agree
+with each other exactly.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import mlx.core as mx
+from mlx_lm.models import activations
 
 from flashserve.engine.compute import qmm
 
@@ -44,20 +52,40 @@ _state = _State()
 
 
 def install() -> None:
-    """Route mx.fast's rms_norm, rope and scaled_dot_product_attention through here (once)."""
+    """Route mx.fast's rms_norm, rope, scaled_dot_product_attention and mx.logsumexp here (once)."""
     if _state.original:
         return
-    for name, fn in (
-        ("rms_norm", rms_norm),
-        ("rope", rope),
-        ("scaled_dot_product_attention", scaled_dot_product_attention),
+    for module, name, fn in (
+        (mx.fast, "rms_norm", rms_norm),
+        (mx.fast, "rope", rope),
+        (mx.fast, "scaled_dot_product_attention", scaled_dot_product_attention),
+        (mx, "logsumexp", logsumexp),
     ):
-        _state.original[name] = getattr(mx.fast, name)
-        setattr(mx.fast, name, fn)
+        _state.original[name] = getattr(module, name)
+        setattr(module, name, fn)
+    _state.original["swiglu"] = activations.swiglu
+
+
+def use_fast_swiglu() -> int:
+    """Point every loaded mlx-lm model module's `swiglu` here; returns how many changed.
+
+    A model module binds mlx-lm's function at import, so this runs after the
+    model is loaded (the loader calls it with install()).
+    """
+    install()
+    changed = 0
+    for name, module in list(sys.modules.items()):
+        if (
+            name.startswith("mlx_lm.models.")
+            and getattr(module, "swiglu", None) is (_state.original["swiglu"])
+        ):
+            module.swiglu = swiglu
+            changed += 1
+    return changed
 
 
 def set_enabled(on: bool) -> None:
-    """Allow or forbid the fast layer ops while the fast path is on (the bench compares)."""
+    """Allow or forbid the step ops while the fast path is on (tests compare with MLX's)."""
     _state.enabled = on
 
 
@@ -69,7 +97,7 @@ def _fast() -> Any | None:
 
 
 def _original(name: str) -> Callable[..., mx.array]:
-    return _state.original.get(name) or getattr(mx.fast, name)
+    return _state.original.get(name) or getattr(mx.fast, name, None) or getattr(mx, name)
 
 
 def rms_norm(x: mx.array, weight: mx.array | None, eps: float, *, stream: Any = None) -> mx.array:
@@ -166,3 +194,28 @@ def scaled_dot_product_attention(
     return _original("scaled_dot_product_attention")(
         q, k, v, scale=scale, mask=mask, sinks=sinks, stream=stream
     )
+
+
+def logsumexp(
+    a: mx.array,
+    /,
+    axis: int | Sequence[int] | None = None,
+    keepdims: bool = False,
+    *,
+    stream: Any = None,
+) -> mx.array:
+    """mx.logsumexp, vectorized on the CPU for float32 over the last axis."""
+    ext = _fast()
+    if ext is not None and stream is None and a.dtype == mx.float32 and a.ndim >= 1:
+        last = axis[0] if isinstance(axis, Sequence) and len(axis) == 1 else axis
+        if last in (-1, a.ndim - 1) or (last is None and a.ndim == 1):
+            return ext.logsumexp(a, keepdims)
+    return _original("logsumexp")(a, axis=axis, keepdims=keepdims, stream=stream)
+
+
+def swiglu(gate: mx.array, x: mx.array) -> mx.array:
+    """mlx-lm's swiglu (silu(gate) * x), vectorized on the CPU for float32."""
+    ext = _fast()
+    if ext is not None and gate.dtype == x.dtype == mx.float32 and gate.shape == x.shape:
+        return ext.swiglu(gate, x)
+    return _state.original["swiglu"](gate, x)

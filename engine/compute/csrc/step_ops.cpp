@@ -1,11 +1,13 @@
-// A decoder layer's small ops as one MLX primitive each on the CPU stream.
+// A decode step's small ops as one MLX primitive each on the CPU stream.
 //
 // On MLX's CPU backend mx.fast.rms_norm, mx.fast.rope and
 // mx.fast.scaled_dot_product_attention have no kernel: each is built from
 // its composed fallback, 15, 31 and 18 graph nodes. A decode step of the
 // default model had 3,380 nodes, and each node costs microseconds of graph
 // walking, allocation and thread hand-off whatever its size (issue 22). Here
-// each is one node, computed in one pass:
+// each is one node, computed in one pass. MLX's log-sum-exp is one node but
+// scalar (0.9 ms over the default model's 49k vocabulary, each step); this
+// one is vectorized:
 //
 //   rms_norm(x, [w], eps)                    x * rsqrt(mean(x^2) + eps) * w
 //       w may be left out ([]): no weight
@@ -15,10 +17,13 @@
 //   sdpa(q, k, v, mask, mask_mode, scale)
 //       softmax(scale * q k^T + mask) v for few query rows, grouped heads;
 //       mask_mode 0 none, 1 causal, 2 bool array, 3 additive float32 array
+//   logsumexp(x, keepdims)                   over the last axis
+//   swiglu(gate, x)                          silu(gate) * x (MLX's compiled
+//       kernel for it calls a scalar exp per element)
 //
 // The arithmetic follows MLX's fallbacks step by step (the same products in
 // the same order where it matters), so results agree to float32 rounding.
-#include "layer_ops.h"
+#include "step_ops.h"
 
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/vector.h>
@@ -46,7 +51,7 @@ namespace {
 mx::Stream cpu_stream() { return mx::default_stream(mx::Device(mx::Device::cpu)); }
 
 void check(bool ok, const char* what) {
-  if (!ok) throw std::invalid_argument(std::string("flashserve layer op: ") + what);
+  if (!ok) throw std::invalid_argument(std::string("flashserve step op: ") + what);
 }
 
 // Element strides of `a` right-aligned to `nd` dimensions; a dimension of
@@ -128,7 +133,7 @@ class FlashserveRMSNorm : public mx::UnaryPrimitive {
              });
   }
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error("flashserve layer ops run on the CPU stream only");
+    throw std::runtime_error("flashserve step ops run on the CPU stream only");
   }
   const char* name() const override { return "FlashserveRMSNorm"; }
   bool is_equivalent(const mx::Primitive& other) const override {
@@ -228,7 +233,7 @@ class FlashserveRoPE : public mx::UnaryPrimitive {
              });
   }
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error("flashserve layer ops run on the CPU stream only");
+    throw std::runtime_error("flashserve step ops run on the CPU stream only");
   }
   const char* name() const override { return "FlashserveRoPE"; }
   bool is_equivalent(const mx::Primitive& other) const override {
@@ -383,7 +388,7 @@ class FlashserveSDPA : public mx::UnaryPrimitive {
              });
   }
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error("flashserve layer ops run on the CPU stream only");
+    throw std::runtime_error("flashserve step ops run on the CPU stream only");
   }
   const char* name() const override { return "FlashserveSDPA"; }
   bool is_equivalent(const mx::Primitive& other) const override {
@@ -424,13 +429,183 @@ mx::array sdpa(const mx::array& q, const mx::array& k, const mx::array& v,
                    std::move(inputs));
 }
 
+// ------------------------------------------------------------ log-sum-exp
+
+// e^x for a vector, to about 2 ulp: x = n ln2 + r with |r| <= ln2 / 2 (ln2 in
+// two parts, so r is exact), e^r by its degree-7 Taylor polynomial, 2^n into
+// the exponent. Below -87 it gives 0 and above 88.7 infinity, as float32's
+// underflow and overflow do.
+__attribute__((target("avx2,fma"))) inline __m256 exp8(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.0f);
+  const __m256 hi = _mm256_set1_ps(88.72f);
+  const __m256 too_small = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  const __m256 too_large = _mm256_cmp_ps(x, hi, _CMP_GT_OQ);
+  x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  // n <= 128 here: 2^n as two factors keeps the exponent field in range.
+  const __m256i half = _mm256_srai_epi32(_mm256_cvtps_epi32(n), 1);
+  const __m256i rest = _mm256_sub_epi32(_mm256_cvtps_epi32(n), half);
+  const __m256 a = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, _mm256_set1_epi32(127)), 23));
+  const __m256 b = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(rest, _mm256_set1_epi32(127)), 23));
+  const __m256 y = _mm256_mul_ps(_mm256_mul_ps(p, a), b);
+  return _mm256_blendv_ps(_mm256_andnot_ps(too_small, y), _mm256_set1_ps(INFINITY), too_large);
+}
+
+__attribute__((target("avx2,fma"))) void logsumexp_compute(const mx::array& x, mx::array& out) {
+  const int D = x.shape(-1);
+  const int64_t rows = D > 0 ? x.size() / D : 0;
+  const int nd = x.ndim();
+  const float* xp = x.data<float>();
+  float* op = out.data<float>();
+  std::vector<float> tmp;
+  std::vector<int64_t> index(nd, 0);
+  const float inf = std::numeric_limits<float>::infinity();
+  for (int64_t r = 0; r < rows; ++r) {
+    int64_t offset = 0;
+    for (int d = 0; d + 1 < nd; ++d) offset += index[d] * x.strides()[d];
+    for (int d = nd - 2; d >= 0; --d) {
+      if (++index[d] < x.shape(d)) break;
+      index[d] = 0;
+    }
+    const float* xr = row(xp + offset, x.strides()[nd - 1], D, tmp);
+    float top = -inf;
+    bool nan = false;
+    for (int i = 0; i < D; ++i) {
+      nan |= std::isnan(xr[i]);
+      top = std::max(top, xr[i]);
+    }
+    if (nan || std::isinf(top)) {  // NaN in, NaN out; all -inf: -inf; any +inf: +inf
+      op[r] = nan ? std::numeric_limits<float>::quiet_NaN() : top;
+      continue;
+    }
+    const __m256 m = _mm256_set1_ps(top);
+    __m256 acc = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= D; i += 8) acc = _mm256_add_ps(acc, exp8(_mm256_sub_ps(_mm256_loadu_ps(xr + i), m)));
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, acc);
+    double total = 0.0;
+    for (float lane : lanes) total += lane;
+    for (; i < D; ++i) total += std::exp(xr[i] - top);
+    op[r] = top + float(std::log(total));
+  }
+}
+
+class FlashserveLogSumExp : public mx::UnaryPrimitive {
+ public:
+  explicit FlashserveLogSumExp(mx::Stream s) : mx::UnaryPrimitive(s) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    dispatch(stream(), inputs, out,
+             [in = weak(inputs), out = mx::array::unsafe_weak_copy(out)]() mutable {
+               logsumexp_compute(in[0], out);
+             });
+  }
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("flashserve step ops run on the CPU stream only");
+  }
+  const char* name() const override { return "FlashserveLogSumExp"; }
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+};
+
+mx::array logsumexp(const mx::array& x, bool keepdims) {
+  check(x.dtype() == mx::float32 && x.ndim() >= 1, "logsumexp takes float32");
+  auto shape = x.shape();
+  if (keepdims) {
+    shape.back() = 1;
+  } else {
+    shape.pop_back();
+  }
+  return mx::array(std::move(shape), mx::float32,
+                   std::make_shared<FlashserveLogSumExp>(cpu_stream()), {x});
+}
+
+// ------------------------------------------------------------- SwiGLU
+
+// silu(gate) * x = gate * sigmoid(gate) * x, as MLX computes it:
+// sigmoid(g) = 1 / (1 + e^-g).
+__attribute__((target("avx2,fma"))) void swiglu_row(const float* g, const float* x, float* o,
+                                                     int n) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  const __m256 zero = _mm256_setzero_ps();
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 gv = _mm256_loadu_ps(g + i);
+    const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, gv))));
+    _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(gv, sig), _mm256_loadu_ps(x + i)));
+  }
+  for (; i < n; ++i) o[i] = (g[i] * (1.0f / (1.0f + std::exp(-g[i])))) * x[i];
+}
+
+void swiglu_compute(const mx::array& g, const mx::array& x, mx::array& out) {
+  const int D = g.shape(-1);
+  const int64_t rows = D > 0 ? g.size() / D : 0;
+  const int nd = g.ndim();
+  std::vector<float> gt, xt;
+  std::vector<int64_t> index(nd, 0);
+  for (int64_t r = 0; r < rows; ++r) {
+    int64_t go = 0, xo = 0;
+    for (int d = 0; d + 1 < nd; ++d) {
+      go += index[d] * g.strides()[d];
+      xo += index[d] * x.strides()[d];
+    }
+    for (int d = nd - 2; d >= 0; --d) {
+      if (++index[d] < g.shape(d)) break;
+      index[d] = 0;
+    }
+    const float* gr = row(g.data<float>() + go, g.strides()[nd - 1], D, gt);
+    const float* xr = row(x.data<float>() + xo, x.strides()[nd - 1], D, xt);
+    swiglu_row(gr, xr, out.data<float>() + r * D, D);
+  }
+}
+
+class FlashserveSwiGLU : public mx::UnaryPrimitive {
+ public:
+  explicit FlashserveSwiGLU(mx::Stream s) : mx::UnaryPrimitive(s) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    dispatch(stream(), inputs, out,
+             [in = weak(inputs), out = mx::array::unsafe_weak_copy(out)]() mutable {
+               swiglu_compute(in[0], in[1], out);
+             });
+  }
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("flashserve step ops run on the CPU stream only");
+  }
+  const char* name() const override { return "FlashserveSwiGLU"; }
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+};
+
+mx::array swiglu(const mx::array& gate, const mx::array& x) {
+  check(gate.dtype() == mx::float32 && x.dtype() == mx::float32, "swiglu takes float32");
+  check(gate.shape() == x.shape() && gate.ndim() >= 1, "swiglu's gate and x differ in shape");
+  return mx::array(gate.shape(), mx::float32, std::make_shared<FlashserveSwiGLU>(cpu_stream()),
+                   {gate, x});
+}
+
 }  // namespace
 
-void add_layer_ops(nb::module_& m) {
+void add_step_ops(nb::module_& m) {
   m.def("rms_norm", &rms_norm, "x"_a, "weight"_a, "eps"_a,
         "x * rsqrt(mean(x^2, -1) + eps) * weight as one op (float32); weight: [] or [w]");
   m.def("rope", &rope, "x"_a, "offset"_a, "freqs"_a, "dims"_a, "traditional"_a, "base"_a,
         "scale"_a, "rotary position encoding as one op; freqs: [] or [freqs]");
   m.def("sdpa", &sdpa, "q"_a, "k"_a, "v"_a, "mask"_a, "mask_mode"_a, "scale"_a,
         "softmax(scale * q k^T + mask) v as one op; mask: [] or [mask]");
+  m.def("logsumexp", &logsumexp, "x"_a, "keepdims"_a,
+        "log(sum(exp(x))) over the last axis, vectorized (float32)");
+  m.def("swiglu", &swiglu, "gate"_a, "x"_a, "silu(gate) * x as one vectorized op (float32)");
 }

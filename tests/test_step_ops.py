@@ -1,4 +1,4 @@
-"""A decoder layer's small ops as one CPU op each (engine/compute/layer_ops.py, csrc/layer_ops.cpp).
+"""A decode step's small ops as one CPU op each (engine/compute/step_ops.py, csrc/step_ops.cpp).
 
 Each op is compared with MLX's own function (its composed CPU fallback) on
 the shapes and options mlx-lm's models use; then real architectures built
@@ -20,7 +20,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from flashserve.engine.compute import layer_ops, qmm
+from flashserve.engine.compute import qmm, step_ops
 from flashserve.engine.weights.sources import load_plain
 from flashserve.engine.weights.synthetic import make_model_dir
 
@@ -30,15 +30,15 @@ TOLERANCE = 2e-5
 @pytest.fixture(autouse=True)
 def fast_path():
     assert qmm.select("fast") == "fast"  # this machine has the kernel: CI builds it
-    layer_ops.install()
+    step_ops.install()
     yield
-    layer_ops.set_enabled(True)
+    step_ops.set_enabled(True)
     qmm.select("auto")
 
 
 def mlx_op(name: str):
     """MLX's own function, as it was before install()."""
-    return layer_ops._state.original[name]
+    return step_ops._state.original[name]
 
 
 def relative_error(got: mx.array, want: mx.array) -> float:
@@ -93,7 +93,7 @@ def attention_inputs(lq: int, lk: int, seed: int) -> tuple[mx.array, mx.array, m
     return q, k, v
 
 
-@pytest.mark.parametrize("lq", [1, 3, layer_ops.SDPA_MAX_QUERIES])
+@pytest.mark.parametrize("lq", [1, 3, step_ops.SDPA_MAX_QUERIES])
 def test_attention_matches_mlx_with_every_mask_kind(lq):
     for lk in (lq, 1 if lq == 1 else lq + 1, 37):
         q, k, v = attention_inputs(lq, lk, seed=lq * 100 + lk)
@@ -110,8 +110,39 @@ def test_attention_matches_mlx_with_every_mask_kind(lq):
             assert relative_error(got, want) < TOLERANCE, (lk, mask)
 
 
+def test_logsumexp_matches_mlx_on_the_vocabulary_and_special_values():
+    rows = [
+        normal((1, 49152), 20) * 10,  # the default model's vocabulary
+        normal((4, 1000), 21),
+        normal((2, 96, 3), 22).transpose(0, 2, 1),  # strided
+        normal((13,), 23),  # shorter than one vector
+        mx.array([[-float("inf")] * 5, [1.0, float("inf"), 0, 0, 0], [1.0, float("nan"), 0, 0, 0]]),
+    ]
+    for x in rows:
+        for keepdims in (True, False):
+            got = mx.logsumexp(x, axis=-1, keepdims=keepdims)
+            want = mlx_op("logsumexp")(x, axis=-1, keepdims=keepdims)
+            assert got.shape == want.shape
+            assert mx.allclose(got, want, rtol=1e-6, atol=1e-6, equal_nan=True).item()
+    # Other axes, and every axis at once, are MLX's.
+    x = normal((3, 5), 24)
+    for axis in (0, None, (0, 1)):
+        assert mx.array_equal(mx.logsumexp(x, axis=axis), mlx_op("logsumexp")(x, axis=axis)).item()
+
+
+def test_swiglu_matches_mlx_lm_including_saturated_gates():
+    gate = normal((4, 205), 30) * 4
+    gate[0, :5] = mx.array([-200.0, -88.0, 0.0, 88.0, 200.0])  # e^-g under- and overflows
+    x = normal(gate.shape, 31)
+    got = step_ops.swiglu(gate, x)
+    want = mlx_op("swiglu")(gate, x)
+    assert relative_error(got, want) < TOLERANCE
+    strided = normal((gate.shape[1], 4), 32).T  # a transposed view
+    assert relative_error(step_ops.swiglu(strided, x), mlx_op("swiglu")(strided, x)) < TOLERANCE
+
+
 def test_calls_the_fast_ops_do_not_take_go_to_mlx_unchanged(tmp_path: Path):
-    q, k, v = attention_inputs(layer_ops.SDPA_MAX_QUERIES + 1, 20, seed=9)
+    q, k, v = attention_inputs(step_ops.SDPA_MAX_QUERIES + 1, 20, seed=9)
     sdpa, sdpa_mlx = mx.fast.scaled_dot_product_attention, mlx_op("scaled_dot_product_attention")
     # A prompt chunk (more query rows) and float16 keep MLX's op, bit for bit.
     got = sdpa(q, k, v, scale=0.3, mask="causal")
@@ -122,14 +153,14 @@ def test_calls_the_fast_ops_do_not_take_go_to_mlx_unchanged(tmp_path: Path):
     x, w = normal((2, 64), 11), normal((64,), 12)
     # The fast path off (the bench's MLX rows, `quantized_matmul = "mlx"`) or
     # the layer ops alone turned off: MLX's ops, bit for bit.
-    for off in (lambda: qmm.set_active(False), lambda: layer_ops.set_enabled(False)):
+    for off in (lambda: qmm.set_active(False), lambda: step_ops.set_enabled(False)):
         off()
         assert mx.array_equal(mx.fast.rms_norm(x, w, 1e-5), mlx_op("rms_norm")(x, w, 1e-5)).item()
         q, k, v = attention_inputs(1, 9, seed=13)
         got = sdpa(q, k, v, scale=0.3)
         assert mx.array_equal(got, sdpa_mlx(q, k, v, scale=0.3)).item()
         qmm.set_active(True)
-        layer_ops.set_enabled(True)
+        step_ops.set_enabled(True)
     assert graph_ops(mx.fast.rms_norm(x, w, 1e-5), path=tmp_path / "on.dot") == {
         "FlashserveRMSNorm": 1
     }
@@ -171,10 +202,11 @@ def test_real_architectures_decode_the_same_with_one_node_per_op(name, tmp_path:
     )
     model, _, _ = load_plain(path)
     qmm.use_fast_qmm(model)
+    step_ops.use_fast_swiglu()
     prompt = mx.array([[5, 9, 13, 2, 7, 11, 3]])
 
     def decode(enabled: bool, steps: int = 6) -> tuple[list[mx.array], Counter]:
-        layer_ops.set_enabled(enabled)
+        step_ops.set_enabled(enabled)
         cache = make_prompt_cache(model)
         logits = model(prompt, cache=cache)[:, -1]
         out, ops = [logits], Counter()
@@ -198,6 +230,11 @@ def test_real_architectures_decode_the_same_with_one_node_per_op(name, tmp_path:
     assert fast_ops["FlashserveSDPA"] == attention_layers
     assert fast_ops["FlashserveRoPE"] == 2 * attention_layers  # queries and keys
     assert fast_ops["FlashserveRMSNorm"] >= 2 * model.args.num_hidden_layers
+    # Every SwiGLU (mlx-lm's compiled sigmoid-multiply kernel) became ours;
+    # Gemma's GeGLU and gated attention's sigmoids stay MLX's.
+    sigmoids = [sum(n for op, n in ops.items() if "Sigmoid" in op) for ops in (plain_ops, fast_ops)]
+    assert sigmoids[0] - sigmoids[1] == fast_ops["FlashserveSwiGLU"]
+    assert arch == "gemma3_text" or fast_ops["FlashserveSwiGLU"] >= model.args.num_hidden_layers
     assert "Cos" not in fast_ops and "Sin" not in fast_ops
     # What is left is not these ops: gated delta-net's own norms, MoE routing.
     assert plain_ops["Rsqrt"] - fast_ops["Rsqrt"] == fast_ops["FlashserveRMSNorm"]
