@@ -73,6 +73,16 @@ const float* row(const float* p, int64_t stride, int n, std::vector<float>& tmp)
   return tmp.data();
 }
 
+// Element offset of row r (an index over every dimension but the last) of a.
+int64_t row_offset(const mx::array& a, int64_t r) {
+  int64_t offset = 0;
+  for (int d = int(a.ndim()) - 2; d >= 0; --d) {
+    offset += (r % a.shape(d)) * a.strides()[d];
+    r /= a.shape(d);
+  }
+  return offset;
+}
+
 // Hands `fn` (which owns weak copies of the arrays) to the stream's encoder,
 // as every CPU primitive in MLX does. `out` has its buffer already: the weak
 // copies are taken before this is called.
@@ -100,15 +110,8 @@ void rms_norm_compute(const mx::array& x, const mx::array* w, mx::array& out, fl
   std::vector<float> xt, wt;
   const float* wr = w ? row(w->data<float>(), w->strides()[0], D, wt) : nullptr;
   float* op = out.data<float>();
-  std::vector<int64_t> index(nd, 0);
   for (int64_t r = 0; r < rows; ++r) {
-    int64_t offset = 0;
-    for (int d = 0; d + 1 < nd; ++d) offset += index[d] * x.strides()[d];
-    for (int d = nd - 2; d >= 0; --d) {
-      if (++index[d] < x.shape(d)) break;
-      index[d] = 0;
-    }
-    const float* xr = row(xp + offset, x.strides()[nd - 1], D, xt);
+    const float* xr = row(xp + row_offset(x, r), x.strides()[nd - 1], D, xt);
     float sum = 0.0f;
     for (int i = 0; i < D; ++i) sum += xr[i] * xr[i];
     const float n = 1.0f / std::sqrt(sum / float(D) + eps);
@@ -469,16 +472,9 @@ __attribute__((target("avx2,fma"))) void logsumexp_compute(const mx::array& x, m
   const float* xp = x.data<float>();
   float* op = out.data<float>();
   std::vector<float> tmp;
-  std::vector<int64_t> index(nd, 0);
   const float inf = std::numeric_limits<float>::infinity();
   for (int64_t r = 0; r < rows; ++r) {
-    int64_t offset = 0;
-    for (int d = 0; d + 1 < nd; ++d) offset += index[d] * x.strides()[d];
-    for (int d = nd - 2; d >= 0; --d) {
-      if (++index[d] < x.shape(d)) break;
-      index[d] = 0;
-    }
-    const float* xr = row(xp + offset, x.strides()[nd - 1], D, tmp);
+    const float* xr = row(xp + row_offset(x, r), x.strides()[nd - 1], D, tmp);
     float top = -inf;
     bool nan = false;
     for (int i = 0; i < D; ++i) {
@@ -554,17 +550,8 @@ void swiglu_compute(const mx::array& g, const mx::array& x, mx::array& out) {
   const int64_t rows = D > 0 ? g.size() / D : 0;
   const int nd = g.ndim();
   std::vector<float> gt, xt;
-  std::vector<int64_t> index(nd, 0);
   for (int64_t r = 0; r < rows; ++r) {
-    int64_t go = 0, xo = 0;
-    for (int d = 0; d + 1 < nd; ++d) {
-      go += index[d] * g.strides()[d];
-      xo += index[d] * x.strides()[d];
-    }
-    for (int d = nd - 2; d >= 0; --d) {
-      if (++index[d] < g.shape(d)) break;
-      index[d] = 0;
-    }
+    const int64_t go = row_offset(g, r), xo = row_offset(x, r);
     const float* gr = row(g.data<float>() + go, g.strides()[nd - 1], D, gt);
     const float* xr = row(x.data<float>() + xo, x.strides()[nd - 1], D, xt);
     swiglu_row(gr, xr, out.data<float>() + r * D, D);
