@@ -5,8 +5,8 @@
 - `prompt_matmul`  quantized linears take prompt chunks as dequantize + BLAS.
 - `qmm`            quantized matmuls with few rows on flashserve's CPU kernel
                    (csrc/, the compiled `_qmm`), MLX's kernel where it cannot run.
-- `step_ops`      RMSNorm, RoPE and decode attention as one CPU op each (the
-                   same extension), while the fast path is on.
+- `step_ops`      RMSNorm, RoPE, decode attention, SwiGLU and log-sum-exp as
+                   one CPU op each (the same extension) while the fast path is on.
 - `half_scales`    quantized embeddings with float16 scales give float32 rows
                    (a GGUF's exact float16 scales under float32 compute).
 """

@@ -10,7 +10,8 @@ floats through a 16-entry table lookup, and each group's scale and bias are
 factored out of the sum (one FMA per weight). Other widths, and CPUs with
 AVX2 only, take csrc/qmm_kernels.cpp, which unpacks 32 values at a time into
 AVX2 registers. Each unpacked vector serves every row of x; only large
-problems (the LM head, batched steps) are split over the cores.
+problems (256K weights x rows and up: the LM head, one row of a 576 x 576
+linear, batched steps) are split over the cores.
 
 It is an MLX primitive (csrc/qmm_module.cpp), so it stays in MLX's lazy
 graph like the op it replaces. It takes:
@@ -30,6 +31,8 @@ Only float32 inputs and MLX's affine mode are taken (2, 3, 4, 5, 6, 8 bits;
 groups of 32, 64, 128); anything else, a GPU, or a machine where the kernel
 was not built or its CPU lacks AVX2, FMA and F16C, keeps MLX's kernel. The
 `quantized_matmul` setting forces either: "auto" (the fast path where it can run), "fast", "mlx".
+The same switch turns compute/step_ops.py's ops (norms, RoPE, attention,
+SwiGLU, log-sum-exp) on and off: one fast CPU path.
 """
 
 from __future__ import annotations

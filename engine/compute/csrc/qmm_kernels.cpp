@@ -246,11 +246,11 @@ Prepared prepare_x(const QmmProblem& p, bool permuted, std::vector<float>& buf) 
 
 // ---------------------------------------------------------------- threads
 // A few workers that spin briefly after a job, then sleep on a condition
-// variable. Only large problems come here (PARALLEL_MIN_WORK), tens of
-// milliseconds apart in a one-stream decode step, so the spin is short: a
-// worker that spun 200 us after each job spun through the whole step (jobs
-// came every ~100 us) and took a core from the thread building MLX's next
-// graph; one stream decoded no faster on two threads than on one. A job is a
+// variable. Only problems of g_parallel_min_work or more come here, a few per
+// layer in a one-stream decode step, so the spin is short: a worker that spun
+// 200 us after each job spun through the whole step and took a core from the
+// thread building MLX's next graph (with step_ops.cpp's fewer nodes, spins of
+// 300 us and 2 ms were still no better than 50 us). A job is a
 // number of parts claimed one at a time from a counter; the calling thread
 // claims parts too, so a worker that is not scheduled in time (a busy
 // machine) costs nothing: the caller does its parts instead.
