@@ -35,8 +35,9 @@ class EngineConfig:
     prefill_order: str = "auto"
     prefill_group_bytes: int = 512 * 10**6  # activations a layer-major prefill may hold
     max_queue: int = 64
-    # CPU quantized matmuls with few rows: auto (flashserve's kernel where it
-    # runs, engine/compute/qmm.py) | fast (required) | mlx (MLX's kernel).
+    # CPU quantized matmuls with few rows and the step ops: auto (flashserve's
+    # where they run, engine/compute/qmm.py, step_ops.py) | fast (required) |
+    # mlx (MLX's kernel and ops).
     quantized_matmul: str = "auto"
     # Prompt cache: memory tier bytes, 0 turns the whole cache off; SSD tier
     # bytes, 0 keeps it in memory only. The server's settings turn both on.

@@ -52,7 +52,7 @@ def load(config: EngineConfig) -> LoadedModel:
         qmm.select(config.quantized_matmul)
     except qmm.QmmError as exc:
         raise ModelLoadError(str(exc)) from None
-    step_ops.use_fast_swiglu()  # and norms, RoPE, attention, log-sum-exp: one op each on the CPU
+    step_ops.install()  # norms, RoPE, attention, SwiGLU, log-sum-exp: one CPU op each
     changed = qmm.use_fast_qmm(loaded.model)
     if loaded.experts is not None:
         # Offloaded experts compute through their original SwitchGLU (kept

@@ -108,8 +108,9 @@ class Settings(BaseSettings):
     )
     quantized_matmul: Literal["auto", "fast", "mlx"] = Field(
         "auto",
-        description="CPU: kernel for quantized matmuls with few rows (decode); "
-        "auto = flashserve's where it runs, else MLX's",
+        description="CPU: kernel for quantized matmuls with few rows (decode) and the "
+        "step ops (norms, RoPE, attention, SwiGLU, log-sum-exp); "
+        "auto = flashserve's where they run, else MLX's",
     )
 
     # Several machines (engine/distributed/): one model split by layer ranges

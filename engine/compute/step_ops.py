@@ -52,36 +52,28 @@ _state = _State()
 
 
 def install() -> None:
-    """Route mx.fast's rms_norm, rope, scaled_dot_product_attention and mx.logsumexp here (once)."""
-    if _state.original:
-        return
-    for module, name, fn in (
-        (mx.fast, "rms_norm", rms_norm),
-        (mx.fast, "rope", rope),
-        (mx.fast, "scaled_dot_product_attention", scaled_dot_product_attention),
-        (mx, "logsumexp", logsumexp),
-    ):
-        _state.original[name] = getattr(module, name)
-        setattr(module, name, fn)
-    _state.original["swiglu"] = activations.swiglu
+    """Route the step ops' call sites here: mx.fast's three, mx.logsumexp, mlx-lm's `swiglu`.
 
-
-def use_fast_swiglu() -> int:
-    """Point every loaded mlx-lm model module's `swiglu` here; returns how many changed.
-
-    A model module binds mlx-lm's function at import, so this runs after the
-    model is loaded (the loader calls it with install()).
+    mx's functions are replaced once. An mlx-lm model module binds `swiglu`
+    when it is imported, so each call also points the model modules loaded
+    since at ours (the loader calls this after loading the model).
     """
-    install()
-    changed = 0
+    if not _state.original:
+        for module, name, fn in (
+            (mx.fast, "rms_norm", rms_norm),
+            (mx.fast, "rope", rope),
+            (mx.fast, "scaled_dot_product_attention", scaled_dot_product_attention),
+            (mx, "logsumexp", logsumexp),
+        ):
+            _state.original[name] = getattr(module, name)
+            setattr(module, name, fn)
+        _state.original["swiglu"] = activations.swiglu
     for name, module in list(sys.modules.items()):
         if (
             name.startswith("mlx_lm.models.")
-            and getattr(module, "swiglu", None) is (_state.original["swiglu"])
+            and module.__dict__.get("swiglu") is (_state.original["swiglu"])
         ):
             module.swiglu = swiglu
-            changed += 1
-    return changed
 
 
 def set_enabled(on: bool) -> None:
@@ -97,7 +89,8 @@ def _fast() -> Any | None:
 
 
 def _original(name: str) -> Callable[..., mx.array]:
-    return _state.original.get(name) or getattr(mx.fast, name, None) or getattr(mx, name)
+    """MLX's (or mlx-lm's) function that `name` replaced (install() has run: it is the way in)."""
+    return _state.original[name]
 
 
 def rms_norm(x: mx.array, weight: mx.array | None, eps: float, *, stream: Any = None) -> mx.array:
@@ -218,4 +211,4 @@ def swiglu(gate: mx.array, x: mx.array) -> mx.array:
     ext = _fast()
     if ext is not None and gate.dtype == x.dtype == mx.float32 and gate.shape == x.shape:
         return ext.swiglu(gate, x)
-    return _state.original["swiglu"](gate, x)
+    return _original("swiglu")(gate, x)

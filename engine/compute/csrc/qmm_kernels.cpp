@@ -246,7 +246,7 @@ Prepared prepare_x(const QmmProblem& p, bool permuted, std::vector<float>& buf) 
 
 // ---------------------------------------------------------------- threads
 // A few workers that spin briefly after a job, then sleep on a condition
-// variable. Only problems of g_parallel_min_work or more come here, a few per
+// variable. Only problems of PARALLEL_MIN_WORK or more come here, a few per
 // layer in a one-stream decode step, so the spin is short: a worker that spun
 // 200 us after each job spun through the whole step and took a core from the
 // thread building MLX's next graph (with step_ops.cpp's fewer nodes, spins of
@@ -386,7 +386,7 @@ int cores() {
 // idles most of a one-stream step, and splitting one row of a 576 x 576
 // linear and larger (not the 576 x 192 k/v projections) gave ~10% more
 // tokens/s than splitting only the LM head and batched steps (1M).
-std::atomic<int64_t> g_parallel_min_work{256 * 1024};
+constexpr int64_t PARALLEL_MIN_WORK = 256 * 1024;
 
 }  // namespace
 
@@ -408,10 +408,6 @@ void set_threads(int n) {
   delete g_pool;
   g_pool = nullptr;
 }
-
-void set_parallel_min_work(int64_t work) { g_parallel_min_work.store(std::max<int64_t>(0, work)); }
-
-int64_t parallel_min_work() { return g_parallel_min_work.load(); }
 
 int threads() { return g_threads > 0 ? g_threads : cores(); }
 
@@ -435,7 +431,7 @@ void qmm(const QmmProblem& p) {
   const int want = threads();
   const int64_t work = int64_t(p.N) * p.K * p.M;
   std::unique_lock<std::mutex> lock(g_pool_mu, std::defer_lock);
-  if (want > 1 && work >= g_parallel_min_work.load() && p.N >= 8 * want && lock.try_lock()) {
+  if (want > 1 && work >= PARALLEL_MIN_WORK && p.N >= 8 * want && lock.try_lock()) {
     if (g_pool == nullptr || g_pool->size() != want) {
       delete g_pool;
       g_pool = new Pool(want);

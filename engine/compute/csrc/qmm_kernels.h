@@ -53,10 +53,6 @@ void qmm(const QmmProblem& p);
 
 // Threads the kernel uses (the calling thread included); 0 means one per core.
 void set_threads(int n);
-
-// Problems with fewer weights times rows than this run on the calling thread.
-void set_parallel_min_work(int64_t work);
-int64_t parallel_min_work();
 int threads();
 
 }  // namespace flashserve_qmm

@@ -391,9 +391,6 @@ NB_MODULE(_qmm, m) {
   m.def("set_threads", &flashserve_qmm::set_threads, "n"_a,
         "threads the kernel uses, the calling one included; 0: one per core");
   m.def("threads", &flashserve_qmm::threads);
-  m.def("set_parallel_min_work", &flashserve_qmm::set_parallel_min_work, "work"_a,
-        "problems below this many weights times rows run on the calling thread");
-  m.def("parallel_min_work", &flashserve_qmm::parallel_min_work);
   m.def("set_avx512", &flashserve_qmm::set_avx512, "allowed"_a,
         "whether 4- and 8-bit problems may take the AVX-512 kernel (default: allowed)");
   m.def("avx512_active", &flashserve_qmm::avx512_active,
