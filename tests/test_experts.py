@@ -386,6 +386,37 @@ def test_stacked_compute_is_identical_too(prepared, reference) -> None:
     loaded.experts.close()
 
 
+def test_fast_kernel_runs_each_layer_once_over_the_cached_experts(tmp_path, monkeypatch) -> None:
+    """On flashserve's kernel a decode call is one template call over a list of experts.
+
+    The experts must all be quantized (engine.synthetic's default expert width
+    of 32 leaves down_proj in float): a width of 64 quantizes all three.
+    """
+    from flashserve.engine.compute import qmm
+    from flashserve.engine.experts import compute as expert_compute
+
+    src = make_model_dir(tmp_path / "src", "qwen3_moe", overrides={"moe_intermediate_size": 64})
+    path = prepare(str(src), tmp_path / "prepared", expert_bits=4)
+    want = greedy(load(EngineConfig(model=str(path))))
+    calls = []
+    template = expert_compute.call_template
+
+    def counting(info, x, remapped, experts, weights, stack=True):
+        if not stack:
+            calls.append(len(experts))
+        return template(info, x, remapped, experts, weights, stack)
+
+    monkeypatch.setattr(expert_compute, "call_template", counting)
+    loaded = load(EngineConfig(model=str(path), expert_cache=str(EXPERTS * LAYERS // 2)))
+    assert qmm.active()
+    tokens, logprobs = greedy(loaded)
+    assert tokens == want[0]
+    assert mx.array_equal(logprobs, want[1]).item()  # the resident model's bits
+    # Every decode call of every MoE layer (the prompt goes expert-major).
+    assert len(calls) >= LAYERS * (TOKENS - 1) and set(calls) <= {1, TOP_K}
+    loaded.experts.close()
+
+
 def test_memory_pressure_shrinks_the_cache_but_not_below_top_k(prepared, reference) -> None:
     total = EXPERTS * LAYERS
     loaded = load(EngineConfig(model=str(prepared["qwen3_moe"]), expert_cache=str(total - 4)))

@@ -255,6 +255,42 @@ def test_expert_matmuls_match_gather_qmm_and_one_expert_at_a_time(bits):
         assert mx.array_equal(out, full).item()
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_list_of_expert_weights_gives_the_bits_of_the_stacked_gather(bits):
+    """gather_qmm_list (the expert cache's experts where they lie) == gather_qmm on a stack."""
+    w, scales, biases = weights(6 * 96, 256, bits, 64, mx.float16, seed=3)
+    w, scales, biases = (a.reshape(6, 96, -1) for a in (w, scales, biases))
+    x = mx.random.normal((10, 256), key=mx.random.key(4))
+    idx = mx.random.randint(0, 6, (10,), key=mx.random.key(5)).astype(mx.uint32)
+    ext = qmm.extension()
+    want = ext.gather_qmm(x, w, scales, biases, idx, 64, bits)
+    # Only experts 1, 3 and 4, in another order: rows index the list.
+    subset = [4, 1, 3]
+    rows = mx.array([r for r in range(10) if idx[r].item() in subset])
+    lut = {e: i for i, e in enumerate(subset)}
+    remapped = mx.array([lut[idx[r].item()] for r in rows.tolist()], dtype=mx.uint32)
+    got = ext.gather_qmm_list(
+        x[rows],
+        [w[e] for e in subset],
+        [scales[e] for e in subset],
+        [biases[e] for e in subset],
+        remapped,
+        64,
+        bits,
+    )
+    assert mx.array_equal(got, want[rows]).item()
+    with pytest.raises(ValueError, match="experts differ in shape"):
+        ext.gather_qmm_list(
+            x,
+            [w[0], w[1][:48]],
+            [scales[0], scales[1][:48]],
+            [biases[0], biases[1][:48]],
+            idx % 2,
+            64,
+            bits,
+        )
+
+
 def test_choices_and_switching_off():
     with pytest.raises(qmm.QmmError, match="choose one of auto, fast, mlx"):
         qmm.select("bogus")

@@ -286,14 +286,13 @@ class FastQuantizedSwitchLinear(QuantizedSwitchLinear):
         batch = tuple(mx.broadcast_shapes(x.shape[:-2], indices.shape))
         rows = mx.broadcast_to(x.squeeze(-2), (*batch, x.shape[-1]))
         experts = mx.broadcast_to(indices, batch).astype(mx.uint32)
-        y = _state.module.gather_qmm(
-            rows,
-            self["weight"],
-            self["scales"],
-            self["biases"],
-            experts,
-            self.group_size,
-            self.bits,
+        weight = self["weight"]
+        # A list: the expert cache's experts, each where it lies (experts/compute.py).
+        gather = (
+            _state.module.gather_qmm_list if isinstance(weight, list) else _state.module.gather_qmm
+        )
+        y = gather(
+            rows, weight, self["scales"], self["biases"], experts, self.group_size, self.bits
         )
         y = mx.expand_dims(y, -2)
         if "bias" in self:

@@ -1,9 +1,12 @@
-"""The arithmetic of an offloaded MoE call: mlx-lm's own SwitchGLU, one expert at a time.
+"""The arithmetic of an offloaded MoE call: mlx-lm's own SwitchGLU on the cached experts.
 
 The original SwitchGLU stays as a template whose expert tensors are swapped
-in for a call; each needed expert runs on the token slots routed to it, so
-the output is bit-identical to the resident model's (experts/offload.py
-decides which experts and where their tensors come from).
+in for a call. On flashserve's CPU kernel (compute/qmm.py) the template runs
+once per call with each tensor a list of the needed experts' arrays, used
+where they lie in the cache; otherwise each needed expert runs on the token
+slots routed to it. Either way a slot's arithmetic is the resident model's,
+so the output is bit-identical to it (experts/offload.py decides which
+experts and where their tensors come from).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import mlx.core as mx
 import numpy as np
 from mlx import nn
 
+from flashserve.engine.compute import qmm
 from flashserve.engine.experts.store import SwitchLayout
 
 EMPTY = mx.zeros((0,))
@@ -30,6 +34,32 @@ class OffloadLayer:
     router: nn.Module | None = None  # this layer's router (resident copy), for prefetch
     next_layer: int | None = None
     slab: dict[str, mx.array] | None = None  # every expert stacked, when all are cached
+
+
+def compute(
+    info: OffloadLayer,
+    x: mx.array,
+    indices: mx.array,
+    ids: np.ndarray,
+    needed: np.ndarray,
+    weights: dict[int, dict[str, mx.array]],
+    stacked: bool = False,
+) -> mx.array:
+    """A decode call on the needed experts' tensors (`ids`: indices, evaluated).
+
+    `stacked` copies the needed experts into one stack per tensor (an option
+    kept for comparison); otherwise a list of them on flashserve's kernel, or
+    one expert at a time.
+    """
+    if stacked or listable(info, x):
+        lut = np.zeros(info.layout.num_experts, dtype=np.uint32)
+        lut[needed] = np.arange(len(needed), dtype=np.uint32)
+        remapped = mx.array(lut[ids]).astype(indices.dtype)
+        return call_template(info, x, remapped, [int(e) for e in needed], weights, stacked)
+    k = ids.shape[-1]
+    flat_x, flat_ids = x.reshape(-1, x.shape[-1]), ids.reshape(-1, k)
+    outs, positions = per_expert(info, flat_x, flat_ids, needed, weights)
+    return restore_order(outs, positions, ids.shape)
 
 
 def per_expert(
@@ -61,24 +91,46 @@ def per_expert(
     return outs, positions
 
 
+def listable(info: OffloadLayer, x: mx.array) -> bool:
+    """Whether the template's linears take a list of experts here (flashserve's kernel).
+
+    One kernel call per projection over every needed expert replaces one
+    template call per expert (about ten graph nodes and their Python each).
+    """
+    return (
+        qmm.active()
+        and x.dtype == mx.float32
+        and all(
+            isinstance(module, qmm.FastQuantizedSwitchLinear) and key != "bias"
+            for module, key, _ in info.slots
+        )
+    )
+
+
 def call_template(
     info: OffloadLayer,
     x: mx.array,
     remapped: mx.array,
     experts: list[int],
     weights: dict[int, dict[str, mx.array]],
+    stack: bool = True,
 ) -> mx.array:
-    stacked = {}
+    """The template once, remapped[i] indexing `experts`: their tensors stacked, or as
+    lists (`stack` False; only where listable())."""
+    tensors: dict[str, Any] = {}
     for _, _, name in info.slots:
         parts = [weights[e][name] for e in experts]
-        stacked[name] = parts[0][None] if len(parts) == 1 else mx.stack(parts)
-    return run_template(info, x, remapped, stacked)
+        if stack:
+            tensors[name] = parts[0][None] if len(parts) == 1 else mx.stack(parts)
+        else:
+            tensors[name] = parts
+    return run_template(info, x, remapped, tensors)
 
 
 def run_template(
-    info: OffloadLayer, x: mx.array, indices: mx.array, tensors: dict[str, mx.array]
+    info: OffloadLayer, x: mx.array, indices: mx.array, tensors: dict[str, Any]
 ) -> mx.array:
-    """The original SwitchGLU on `tensors` (stacked experts, by tensor name)."""
+    """The original SwitchGLU on `tensors` (stacked experts, or lists of them, by name)."""
     for module, key, name in info.slots:
         module[key] = tensors[name]
     try:

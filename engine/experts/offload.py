@@ -47,7 +47,7 @@ from flashserve.engine.experts.cache import (
 )
 from flashserve.engine.experts.compute import (
     OffloadLayer,
-    call_template,
+    compute,
     per_expert,
     restore_order,
     run_template,
@@ -156,7 +156,10 @@ class ExpertOffload:
             return self._run_chunked(info, x, ids, chunks, pending, predicted)
         try:
             weights = self._acquire(info, keys, pending, predicted)
-            out = self._compute(info, x, indices, ids, needed, weights)
+            out = compute(info, x, indices, ids, needed, weights, self.stacked)
+            # Computes while Python builds up to the next layer's sync, which
+            # waits for it anyway (so evictions there still find it done).
+            mx.async_eval(out)
         finally:
             self.cache.pinned.clear()
         if self.all_fit and self._layer_complete(info):
@@ -419,25 +422,6 @@ class ExpertOffload:
         )
 
     # -- compute --------------------------------------------------------------------
-
-    def _compute(
-        self,
-        info: OffloadLayer,
-        x: mx.array,
-        indices: mx.array,
-        ids: np.ndarray,
-        needed: np.ndarray,
-        weights: dict[int, dict[str, mx.array]],
-    ) -> mx.array:
-        if self.stacked:
-            lut = np.zeros(info.layout.num_experts, dtype=np.uint32)
-            lut[needed] = np.arange(len(needed), dtype=np.uint32)
-            remapped = mx.array(lut[ids]).astype(indices.dtype)
-            return call_template(info, x, remapped, [int(e) for e in needed], weights)
-        k = ids.shape[-1]
-        flat = ids.reshape(-1, k)
-        outs, positions = per_expert(info, x.reshape(-1, x.shape[-1]), flat, needed, weights)
-        return restore_order(outs, positions, ids.shape)
 
     def _run_chunked(
         self,

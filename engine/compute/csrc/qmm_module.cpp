@@ -9,6 +9,8 @@
 //   gather_qmm(x, w, scales, biases, rows_expert, group_size, bits)
 //       row r of x (flattened to rows) against expert rows_expert[r] of a
 //       stacked (E, N, K * bits / 32) weight
+//   gather_qmm_list(x, [w], [scales], [biases], rows_expert, group_size, bits)
+//       the same with the experts as separate 2-D weights (the expert cache's)
 //
 // x is float32; w uint32; scales and biases float32, float16 or bfloat16.
 #include <nanobind/nanobind.h>
@@ -16,6 +18,7 @@
 #include <nanobind/stl/vector.h>
 
 #include <algorithm>
+#include <memory>
 #include <cstring>
 #include <numeric>
 #include <sstream>
@@ -118,65 +121,58 @@ std::vector<const float*> x_rows(const mx::array& x, int64_t M, int K, std::vect
   return rows;
 }
 
-// One problem: out = x @ dequantize(w).T, or with `index` each row against
-// its expert's matrix in a stacked weight.
-void compute(const mx::array& x, const mx::array& w, const mx::array& scales,
-             const mx::array& biases, const mx::array* index, mx::array& out, int gs, int bits) {
-  const int K = x.shape(-1);
-  const int N = w.shape(-2);
-  const int64_t M = x.size() / K;
-  const int64_t words = w.shape(-1);
-  const int64_t groups = scales.shape(-1);
-  const int64_t experts = index ? w.shape(0) : 1;
-  std::vector<char> keep_x, keep_w, keep_s, keep_b;
-  int64_t w_stride, s_stride, b_stride;
-  const std::vector<const float*> xr = x_rows(x, M, K, keep_x);
-  const uint32_t* wp = rows_of<uint32_t>(w, experts * N, words, w_stride, keep_w);
-  const char* sp;
-  const char* bp;
-  const int64_t srows = experts * N;
-  if (scales.dtype() == mx::float32) {
-    sp = reinterpret_cast<const char*>(rows_of<float>(scales, srows, groups, s_stride, keep_s));
-    bp = reinterpret_cast<const char*>(rows_of<float>(biases, srows, groups, b_stride, keep_b));
-    if (s_stride != b_stride) {  // one layout for both: copy them
-      sp = reinterpret_cast<const char*>(rows_of<float>(scales, srows, groups, s_stride, keep_s, true));
-      bp = reinterpret_cast<const char*>(rows_of<float>(biases, srows, groups, b_stride, keep_b, true));
-    }
-  } else {
-    sp = reinterpret_cast<const char*>(rows_of<uint16_t>(scales, srows, groups, s_stride, keep_s));
-    bp = reinterpret_cast<const char*>(rows_of<uint16_t>(biases, srows, groups, b_stride, keep_b));
-    if (s_stride != b_stride) {
-      sp = reinterpret_cast<const char*>(rows_of<uint16_t>(scales, srows, groups, s_stride, keep_s, true));
-      bp = reinterpret_cast<const char*>(rows_of<uint16_t>(biases, srows, groups, b_stride, keep_b, true));
+// A weight's packed values, scales and biases as rows (`rows` of them: N, or
+// E * N for a stacked weight); scales and biases share one row stride.
+struct Weights {
+  const uint32_t* w;
+  const char* s;
+  const char* b;
+  int64_t w_stride;
+  int64_t s_stride;
+  std::vector<char> keep_w, keep_s, keep_b;  // copies of inputs not laid out as rows
+
+  Weights(const mx::array& w_, const mx::array& scales, const mx::array& biases, int64_t rows) {
+    w = rows_of<uint32_t>(w_, rows, w_.shape(-1), w_stride, keep_w);
+    if (scales.dtype() == mx::float32) {
+      resolve<float>(scales, biases, rows);
+    } else {
+      resolve<uint16_t>(scales, biases, rows);
     }
   }
-  const size_t esize = scales.itemsize();
 
+  template <class T>
+  void resolve(const mx::array& scales, const mx::array& biases, int64_t rows) {
+    const int64_t groups = scales.shape(-1);
+    int64_t b_stride;
+    s = reinterpret_cast<const char*>(rows_of<T>(scales, rows, groups, s_stride, keep_s));
+    b = reinterpret_cast<const char*>(rows_of<T>(biases, rows, groups, b_stride, keep_b));
+    if (s_stride != b_stride) {  // one layout for both: copy them
+      s = reinterpret_cast<const char*>(rows_of<T>(scales, rows, groups, s_stride, keep_s, true));
+      b = reinterpret_cast<const char*>(rows_of<T>(biases, rows, groups, b_stride, keep_b, true));
+    }
+  }
+};
+
+QmmProblem problem(const mx::array& x, const mx::array& scales, int N, int gs, int bits) {
   QmmProblem p{};
-  p.K = K;
+  p.K = x.shape(-1);
   p.N = N;
   p.bits = bits;
   p.group_size = gs;
   p.scale_type = scale_type_of(scales);
-  p.w_stride = w_stride;
-  p.s_stride = s_stride;
-  float* op = out.data<float>();
+  p.out_stride = N;
+  return p;
+}
 
-  if (index == nullptr) {
-    p.x = xr.data();
-    p.M = int(M);
-    p.w = wp;
-    p.scales = sp;
-    p.biases = bp;
-    p.out = op;
-    p.out_stride = N;
-    flashserve_qmm::qmm(p);
-    return;
-  }
-
-  // Gather: rows grouped by expert; each expert runs once on its rows. A
-  // row's arithmetic is the same as in the plain op (rows are independent).
-  const uint32_t* idx = index->data<uint32_t>();
+// Each row of x against its expert's matrix: `expert(e, p)` points p at
+// expert e's weights. Rows are grouped by expert and each expert runs once on
+// its rows; a row's arithmetic is the same as in the plain op (rows are
+// independent), so a gathered call never changes a number.
+template <class Expert>
+void gather_rows(const std::vector<const float*>& xr, const uint32_t* idx, int64_t experts,
+                 QmmProblem p, float* op, Expert expert) {
+  const int64_t M = int64_t(xr.size());
+  const int N = p.N;
   std::vector<int64_t> order(M);
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(),
@@ -187,18 +183,15 @@ void compute(const mx::array& x, const mx::array& w, const mx::array& scales,
     const uint32_t e = idx[order[start]];
     int64_t end = start;
     while (end < M && idx[order[end]] == e) ++end;
-    if (e >= uint32_t(experts)) throw std::out_of_range("flashserve gather_qmm: expert index");
+    if (e >= uint64_t(experts)) throw std::out_of_range("flashserve gather_qmm: expert index");
     const int64_t rows = end - start;
     xg.resize(rows);
     yg.resize(size_t(rows) * N);
     for (int64_t r = 0; r < rows; ++r) xg[r] = xr[order[start + r]];
     p.x = xg.data();
     p.M = int(rows);
-    p.w = wp + int64_t(e) * N * w_stride;
-    p.scales = sp + int64_t(e) * N * s_stride * esize;
-    p.biases = bp + int64_t(e) * N * s_stride * esize;
     p.out = yg.data();
-    p.out_stride = N;
+    expert(e, p);
     flashserve_qmm::qmm(p);
     for (int64_t r = 0; r < rows; ++r) {
       std::memcpy(op + order[start + r] * N, yg.data() + r * N, sizeof(float) * N);
@@ -207,6 +200,64 @@ void compute(const mx::array& x, const mx::array& w, const mx::array& scales,
   }
 }
 
+// One problem: out = x @ dequantize(w).T, or with `index` each row against
+// its expert's matrix in a stacked weight.
+void compute(const mx::array& x, const mx::array& w, const mx::array& scales,
+             const mx::array& biases, const mx::array* index, mx::array& out, int gs, int bits) {
+  const int K = x.shape(-1);
+  const int N = w.shape(-2);
+  const int64_t M = x.size() / K;
+  const int64_t experts = index ? w.shape(0) : 1;
+  std::vector<char> keep_x;
+  const std::vector<const float*> xr = x_rows(x, M, K, keep_x);
+  const Weights wt(w, scales, biases, experts * N);
+  QmmProblem p = problem(x, scales, N, gs, bits);
+  p.w_stride = wt.w_stride;
+  p.s_stride = wt.s_stride;
+  if (index == nullptr) {
+    p.x = xr.data();
+    p.M = int(M);
+    p.w = wt.w;
+    p.scales = wt.s;
+    p.biases = wt.b;
+    p.out = out.data<float>();
+    flashserve_qmm::qmm(p);
+    return;
+  }
+  const size_t esize = scales.itemsize();
+  gather_rows(xr, index->data<uint32_t>(), experts, p, out.data<float>(),
+              [&](uint32_t e, QmmProblem& q) {
+                q.w = wt.w + int64_t(e) * N * wt.w_stride;
+                q.scales = wt.s + int64_t(e) * N * wt.s_stride * esize;
+                q.biases = wt.b + int64_t(e) * N * wt.s_stride * esize;
+              });
+}
+
+// Each row of x against its expert's matrix, the experts given as separate
+// arrays (inputs[2 + 3e .. 4 + 3e]: w, scales, biases of expert e): the
+// expert cache's experts used where they lie, no stacked copy.
+void compute_list(const std::vector<mx::array>& in, mx::array& out, int gs, int bits) {
+  const mx::array& x = in[0];
+  const int K = x.shape(-1);
+  const int N = in[2].shape(0);
+  const int64_t M = x.size() / K;
+  const int64_t experts = int64_t(in.size() - 2) / 3;
+  std::vector<char> keep_x;
+  const std::vector<const float*> xr = x_rows(x, M, K, keep_x);
+  // Resolved on first use: a call touches only the experts its rows route to.
+  std::vector<std::unique_ptr<Weights>> wts(experts);
+  const QmmProblem p = problem(x, in[3], N, gs, bits);
+  gather_rows(xr, in[1].data<uint32_t>(), experts, p, out.data<float>(),
+              [&](uint32_t e, QmmProblem& q) {
+                auto& wt = wts[e];
+                if (!wt) wt = std::make_unique<Weights>(in[2 + 3 * e], in[3 + 3 * e], in[4 + 3 * e], N);
+                q.w = wt->w;
+                q.scales = wt->s;
+                q.biases = wt->b;
+                q.w_stride = wt->w_stride;
+                q.s_stride = wt->s_stride;
+              });
+}
 
 class FlashserveQMM : public mx::UnaryPrimitive {
  public:
@@ -248,6 +299,44 @@ class FlashserveQMM : public mx::UnaryPrimitive {
   int group_size_;
   int bits_;
   bool gather_;
+};
+
+// gather_qmm over a list of per-expert weights: inputs x, rows_expert, then
+// (w, scales, biases) per expert.
+class FlashserveGatherList : public mx::UnaryPrimitive {
+ public:
+  FlashserveGatherList(mx::Stream stream, int group_size, int bits)
+      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    std::vector<mx::array> ins;
+    for (const auto& a : inputs) {
+      encoder.set_input_array(a);
+      ins.push_back(mx::array::unsafe_weak_copy(a));
+    }
+    encoder.set_output_array(out);
+    encoder.dispatch([ins = std::move(ins), out = mx::array::unsafe_weak_copy(out),
+                      gs = group_size_, bits = bits_]() mutable {
+      compute_list(ins, out, gs, bits);
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("flashserve qmm runs on the CPU stream only");
+  }
+
+  const char* name() const override { return "FlashserveGatherList"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const FlashserveGatherList&>(other);
+    return group_size_ == o.group_size_ && bits_ == o.bits_;
+  }
+
+ private:
+  int group_size_;
+  int bits_;
 };
 
 // Several weights that share one input (an attention block's q, k and v
@@ -368,6 +457,29 @@ mx::array gather_qmm(const mx::array& x, const mx::array& w, const mx::array& sc
                    {x, w, scales, biases, index});
 }
 
+mx::array gather_qmm_list(const mx::array& x, const std::vector<mx::array>& ws,
+                          const std::vector<mx::array>& scales,
+                          const std::vector<mx::array>& biases, const mx::array& rows_expert,
+                          int group_size, int bits) {
+  const size_t n = ws.size();
+  check(n > 0 && scales.size() == n && biases.size() == n,
+        "gather_qmm_list takes one scales and biases per expert weight");
+  check(rows_expert.dtype() == mx::uint32, "rows_expert must be uint32");
+  check(rows_expert.size() * x.shape(-1) == x.size(), "rows_expert must have one entry per row");
+  auto s = cpu_stream();
+  std::vector<mx::array> inputs{x, mx::contiguous(mx::flatten(rows_expert, s), false, s)};
+  for (size_t e = 0; e < n; ++e) {
+    check_weights(x, ws[e], scales[e], biases[e], group_size, bits, 2);
+    check(ws[e].shape() == ws[0].shape() && scales[e].dtype() == scales[0].dtype(),
+          "gather_qmm_list: experts differ in shape or scale dtype");
+    inputs.insert(inputs.end(), {ws[e], scales[e], biases[e]});
+  }
+  auto shape = x.shape();
+  shape.back() = ws[0].shape(0);
+  return mx::array(shape, mx::float32, std::make_shared<FlashserveGatherList>(s, group_size, bits),
+                   std::move(inputs));
+}
+
 std::string compiled_mlx_version() {
   std::ostringstream out;
   out << MLX_VERSION_MAJOR << "." << MLX_VERSION_MINOR << "." << MLX_VERSION_PATCH;
@@ -386,6 +498,9 @@ NB_MODULE(_qmm, m) {
   m.def("gather_qmm", &gather_qmm, "x"_a, "w"_a, "scales"_a, "biases"_a, "rows_expert"_a,
         "group_size"_a, "bits"_a,
         "each row of x against its expert's weight in a stacked (E, N, K') weight");
+  m.def("gather_qmm_list", &gather_qmm_list, "x"_a, "w"_a, "scales"_a, "biases"_a,
+        "rows_expert"_a, "group_size"_a, "bits"_a,
+        "each row of x against its expert's weight, the experts a list of 2-D weights");
   m.def("cpu_supported", &flashserve_qmm::cpu_supported,
         "whether this CPU has AVX2, FMA and F16C (the kernel's instructions)");
   m.def("set_threads", &flashserve_qmm::set_threads, "n"_a,
