@@ -28,6 +28,7 @@ SOURCES = [
     "engine/compute/csrc/qmm_kernels.cpp",
     "engine/compute/csrc/qmm_avx512.cpp",
     "engine/compute/csrc/step_ops.cpp",
+    "engine/compute/csrc/step_sdpa.cpp",
 ]
 
 

@@ -85,11 +85,13 @@ def test_rope_matches_mlx_for_every_offset_kind_dims_and_layout(traditional):
     assert relative_error(got, mlx_op("rope")(x3, 32, **kwargs)) < 1e-4
 
 
-def attention_inputs(lq: int, lk: int, seed: int) -> tuple[mx.array, mx.array, mx.array]:
-    q = normal((2, 8, lq, 32), seed)
+def attention_inputs(
+    lq: int, lk: int, seed: int, dim: int = 32
+) -> tuple[mx.array, mx.array, mx.array]:
+    q = normal((2, 8, lq, dim), seed)
     # Keys and values as a KV cache hands them over: a slice of a longer buffer.
-    k = normal((2, 2, lk + 16, 32), seed + 1)[:, :, :lk]
-    v = normal((2, 2, lk + 16, 32), seed + 2)[:, :, :lk]
+    k = normal((2, 2, lk + 16, dim), seed + 1)[:, :, :lk]
+    v = normal((2, 2, lk + 16, dim), seed + 2)[:, :, :lk]
     return q, k, v
 
 
@@ -108,6 +110,35 @@ def test_attention_matches_mlx_with_every_mask_kind(lq):
             got = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.2, mask=mask)
             want = mlx_op("scaled_dot_product_attention")(q, k, v, scale=0.2, mask=mask)
             assert relative_error(got, want) < TOLERANCE, (lk, mask)
+
+
+@pytest.mark.parametrize(("lq", "dim"), [(1, 32), (4, 64), (1, 128), (2, 72)])
+def test_long_context_attention_in_key_chunks_matches_mlx_on_any_thread_count(lq, dim):
+    """Past 256 keys attention runs in key chunks, spread over the kernel's threads.
+
+    Head sizes: 64 and 128 take the blocked value sums, 32 and 72 the others.
+    """
+    lk = 1100  # five chunks, the last one partial (and not a multiple of 8)
+    q, k, v = attention_inputs(lq, lk, seed=lq, dim=dim)
+    # Padding masks out a sequence's first 600 keys: whole chunks are masked.
+    padding = mx.arange(lk)[None, None, None, :] >= mx.array([0, 600]).reshape(2, 1, 1, 1)
+    minus_inf = mx.where(mx.arange(lk) < 300, -mx.inf, 0.0).reshape(1, 1, 1, lk)
+    sdpa = mx.fast.scaled_dot_product_attention
+    for mask in (None, "causal", padding, minus_inf):
+        want = mlx_op("scaled_dot_product_attention")(q, k, v, scale=0.2, mask=mask)
+        got = sdpa(q, k, v, scale=0.2, mask=mask)
+        assert relative_error(got, want) < TOLERANCE, mask
+        qmm.set_threads(1)
+        try:
+            alone = sdpa(q, k, v, scale=0.2, mask=mask)
+            mx.eval(alone)
+        finally:
+            qmm.set_threads(0)
+        assert mx.array_equal(alone, got).item()
+        # A sequence's rows are the same alone as in the batch.
+        own = mask[1:] if isinstance(mask, mx.array) and mask.shape[0] == 2 else mask
+        one = sdpa(q[1:], k[1:], v[1:], scale=0.2, mask=own)
+        assert mx.array_equal(one, got[1:]).item()
 
 
 def test_logsumexp_matches_mlx_on_the_vocabulary_and_special_values():

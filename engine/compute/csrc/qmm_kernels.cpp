@@ -430,25 +430,33 @@ void qmm(const QmmProblem& p) {
 
   const int want = threads();
   const int64_t work = int64_t(p.N) * p.K * p.M;
-  std::unique_lock<std::mutex> lock(g_pool_mu, std::defer_lock);
-  if (want > 1 && work >= PARALLEL_MIN_WORK && p.N >= 8 * want && lock.try_lock()) {
-    if (g_pool == nullptr || g_pool->size() != want) {
-      delete g_pool;
-      g_pool = new Pool(want);
-    }
+  if (want > 1 && work >= PARALLEL_MIN_WORK && p.N >= 8 * want) {
     // Parts of whole 4-column tiles, a few per thread so that a late worker
     // leaves little for the others to wait on.
     const int parts = std::max(1, std::min(4 * want, p.N / 16));
     const int per = ((p.N + parts - 1) / parts + 3) / 4 * 4;
-    const std::function<void(int)> job = [&](int part) {
+    parallel_for(parts, [&](int part) {
       const int begin = part * per;
       const int end = std::min(p.N, begin + per);
       if (begin < end) fn(p, x, begin, end);
-    };
-    g_pool->run(parts, job);
+    });
     return;
   }
   fn(p, x, 0, p.N);
+}
+
+void parallel_for(int parts, const std::function<void(int)>& fn) {
+  const int want = threads();
+  std::unique_lock<std::mutex> lock(g_pool_mu, std::defer_lock);
+  if (want > 1 && parts > 1 && lock.try_lock()) {
+    if (g_pool == nullptr || g_pool->size() != want) {
+      delete g_pool;
+      g_pool = new Pool(want);
+    }
+    g_pool->run(parts, fn);
+    return;
+  }
+  for (int part = 0; part < parts; ++part) fn(part);
 }
 
 }  // namespace flashserve_qmm

@@ -15,6 +15,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 
 namespace flashserve_qmm {
 
@@ -50,6 +51,11 @@ bool avx512_active();
 
 // Computes the problem, spread over the pool's threads when it is large.
 void qmm(const QmmProblem& p);
+
+// fn(0), ..., fn(parts - 1) on the kernel's threads, the caller's included
+// (alone when the pool is busy with another problem). Parts may run in any
+// order and on any thread: results must not depend on it.
+void parallel_for(int parts, const std::function<void(int)>& fn);
 
 // Threads the kernel uses (the calling thread included); 0 means one per core.
 void set_threads(int n);

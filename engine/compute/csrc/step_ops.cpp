@@ -41,64 +41,14 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
+#include "step_common.h"
 
 namespace nb = nanobind;
 namespace mx = mlx::core;
 using namespace nb::literals;
+using namespace flashserve_step;
 
 namespace {
-
-mx::Stream cpu_stream() { return mx::default_stream(mx::Device(mx::Device::cpu)); }
-
-void check(bool ok, const char* what) {
-  if (!ok) throw std::invalid_argument(std::string("flashserve step op: ") + what);
-}
-
-// Element strides of `a` right-aligned to `nd` dimensions; a dimension of
-// size one (or one `a` lacks) gets stride 0, so broadcasting is free.
-std::vector<int64_t> strides_as(const mx::array& a, int nd) {
-  std::vector<int64_t> out(nd, 0);
-  const int off = nd - int(a.ndim());
-  for (int d = 0; d < int(a.ndim()); ++d) {
-    out[off + d] = a.shape(d) == 1 ? 0 : a.strides()[d];
-  }
-  return out;
-}
-
-// A row of n floats `stride` apart, contiguous: the row itself, or a copy.
-const float* row(const float* p, int64_t stride, int n, std::vector<float>& tmp) {
-  if (stride == 1) return p;
-  tmp.resize(n);
-  for (int i = 0; i < n; ++i) tmp[i] = p[i * stride];
-  return tmp.data();
-}
-
-// Element offset of row r (an index over every dimension but the last) of a.
-int64_t row_offset(const mx::array& a, int64_t r) {
-  int64_t offset = 0;
-  for (int d = int(a.ndim()) - 2; d >= 0; --d) {
-    offset += (r % a.shape(d)) * a.strides()[d];
-    r /= a.shape(d);
-  }
-  return offset;
-}
-
-// Hands `fn` (which owns weak copies of the arrays) to the stream's encoder,
-// as every CPU primitive in MLX does. `out` has its buffer already: the weak
-// copies are taken before this is called.
-template <class F>
-void dispatch(mx::Stream s, const std::vector<mx::array>& inputs, mx::array& out, F&& fn) {
-  auto& encoder = mx::cpu::get_command_encoder(s);
-  for (const auto& a : inputs) encoder.set_input_array(a);
-  encoder.set_output_array(out);
-  encoder.dispatch(std::forward<F>(fn));
-}
-
-std::vector<mx::array> weak(const std::vector<mx::array>& arrays) {
-  std::vector<mx::array> out;
-  for (const auto& a : arrays) out.push_back(mx::array::unsafe_weak_copy(a));
-  return out;
-}
 
 // ---------------------------------------------------------------- RMSNorm
 
@@ -272,198 +222,7 @@ mx::array rope(const mx::array& x, const mx::array& offset, const std::vector<mx
       std::move(inputs));
 }
 
-// ---------------------------------------------------------- attention (SDPA)
-
-enum MaskMode : int { kNone = 0, kCausal = 1, kBool = 2, kAdditive = 3 };
-
-// The fast path runs only where the CPU has AVX2 and FMA (qmm.py checks
-// before anything here is used), so these may use them unconditionally.
-__attribute__((target("avx2,fma"))) inline float dot(const float* a, const float* b, int n) {
-  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
-  int i = 0;
-  for (; i + 16 <= n; i += 16) {
-    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
-    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
-  }
-  for (; i + 8 <= n; i += 8) {
-    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
-  }
-  const __m256 s = _mm256_add_ps(s0, s1);
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  h = _mm_add_ss(h, _mm_movehdup_ps(h));
-  float total = _mm_cvtss_f32(h);
-  for (; i < n; ++i) total += a[i] * b[i];
-  return total;
-}
-
-// acc += p * v
-__attribute__((target("avx2,fma"))) inline void axpy(float* acc, float p, const float* v, int n) {
-  const __m256 pv = _mm256_set1_ps(p);
-  int i = 0;
-  for (; i + 8 <= n; i += 8) {
-    _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + i), _mm256_loadu_ps(acc + i)));
-  }
-  for (; i < n; ++i) acc[i] += p * v[i];
-}
-
-// One kv head's query rows (its `repeats` query heads times Lq) at once, so
-// each key and value row is read once for all of them.
-__attribute__((target("avx2,fma"))) void sdpa_compute(const mx::array& q, const mx::array& k,
-                                                      const mx::array& v, const mx::array* mask,
-                                                      int mode, float scale, mx::array& out) {
-  const int B = q.shape(0), Hq = q.shape(1), Lq = q.shape(2), D = q.shape(3);
-  const int Hk = k.shape(1), Lk = k.shape(2), Dv = v.shape(3);
-  const int repeats = Hq / Hk;
-  const int R = repeats * Lq;  // query rows per kv head
-  const auto qs = q.strides(), ks = k.strides(), vs = v.strides();
-  std::vector<int64_t> ms;
-  if (mask) ms = strides_as(*mask, 4);
-  const float* qp = q.data<float>();
-  const float* kp = k.data<float>();
-  const float* vp = v.data<float>();
-  float* op = out.data<float>();
-  const float lowest = std::numeric_limits<float>::lowest();
-  std::vector<float> qrows(size_t(R) * D), scores(size_t(R) * Lk), tmp;
-  for (int b = 0; b < B; ++b) {
-    for (int hk = 0; hk < Hk; ++hk) {
-      // Row r is query head hk * repeats + r / Lq, position r % Lq. MLX's
-      // fallback scales q first, then multiplies by k^T.
-      for (int r = 0; r < R; ++r) {
-        const int h = hk * repeats + r / Lq, i = r % Lq;
-        const float* qr = qp + b * qs[0] + h * qs[1] + i * qs[2];
-        for (int d = 0; d < D; ++d) qrows[size_t(r) * D + d] = scale * qr[d * qs[3]];
-      }
-      for (int j = 0; j < Lk; ++j) {
-        const float* kr = row(kp + b * ks[0] + hk * ks[1] + j * ks[2], ks[3], D, tmp);
-        for (int r = 0; r < R; ++r) scores[size_t(r) * Lk + j] = dot(&qrows[size_t(r) * D], kr, D);
-      }
-      for (int r = 0; r < R; ++r) {
-        const int h = hk * repeats + r / Lq, i = r % Lq;
-        float* sr = &scores[size_t(r) * Lk];
-        if (mode == kCausal) {
-          for (int j = std::max(0, i + (Lk - Lq) + 1); j < Lk; ++j) sr[j] = lowest;
-        } else if (mode == kBool) {
-          const bool* m = mask->data<bool>() + b * ms[0] + h * ms[1] + i * ms[2];
-          for (int j = 0; j < Lk; ++j) {
-            if (!m[j * ms[3]]) sr[j] = lowest;
-          }
-        } else if (mode == kAdditive) {
-          const float* m = mask->data<float>() + b * ms[0] + h * ms[1] + i * ms[2];
-          for (int j = 0; j < Lk; ++j) sr[j] += m[j * ms[3]];
-        }
-        float top = -std::numeric_limits<float>::infinity();
-        for (int j = 0; j < Lk; ++j) top = std::max(top, sr[j]);
-        float total = 0.0f;
-        for (int j = 0; j < Lk; ++j) {
-          sr[j] = std::exp(sr[j] - top);
-          total += sr[j];
-        }
-        const float inv = 1.0f / total;
-        for (int j = 0; j < Lk; ++j) sr[j] *= inv;
-        float* o = op + ((int64_t(b) * Hq + h) * Lq + i) * Dv;
-        std::fill(o, o + Dv, 0.0f);
-      }
-      for (int j = 0; j < Lk; ++j) {
-        const float* vr = row(vp + b * vs[0] + hk * vs[1] + j * vs[2], vs[3], Dv, tmp);
-        for (int r = 0; r < R; ++r) {
-          const int h = hk * repeats + r / Lq, i = r % Lq;
-          float* o = op + ((int64_t(b) * Hq + h) * Lq + i) * Dv;
-          axpy(o, scores[size_t(r) * Lk + j], vr, Dv);
-        }
-      }
-    }
-  }
-}
-
-class FlashserveSDPA : public mx::UnaryPrimitive {
- public:
-  FlashserveSDPA(mx::Stream s, int mode, float scale)
-      : mx::UnaryPrimitive(s), mode_(mode), scale_(scale) {}
-
-  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    dispatch(stream(), inputs, out,
-             [in = weak(inputs), out = mx::array::unsafe_weak_copy(out), mode = mode_,
-              scale = scale_]() mutable {
-               sdpa_compute(in[0], in[1], in[2], in.size() > 3 ? &in[3] : nullptr, mode, scale,
-                            out);
-             });
-  }
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error("flashserve step ops run on the CPU stream only");
-  }
-  const char* name() const override { return "FlashserveSDPA"; }
-  bool is_equivalent(const mx::Primitive& other) const override {
-    const auto& o = static_cast<const FlashserveSDPA&>(other);
-    return mode_ == o.mode_ && scale_ == o.scale_;
-  }
-
- private:
-  int mode_;
-  float scale_;
-};
-
-mx::array sdpa(const mx::array& q, const mx::array& k, const mx::array& v,
-               const std::vector<mx::array>& mask, int mode, float scale) {
-  for (const auto* a : {&q, &k, &v}) {
-    check(a->dtype() == mx::float32 && a->ndim() == 4, "sdpa takes 4-D float32 q, k, v");
-  }
-  check(k.shape(0) == q.shape(0) && v.shape(0) == q.shape(0), "sdpa: batch sizes differ");
-  check(k.shape(3) == q.shape(3), "sdpa: q and k differ in head size");
-  check(k.shape(1) == v.shape(1) && k.shape(2) == v.shape(2), "sdpa: k and v differ");
-  check(q.shape(1) % k.shape(1) == 0, "sdpa: query heads must be a multiple of kv heads");
-  check(mode >= kNone && mode <= kAdditive, "sdpa: unknown mask mode");
-  std::vector<mx::array> inputs{q, k, v};
-  if (mode == kBool || mode == kAdditive) {
-    check(mask.size() == 1, "sdpa: this mask mode needs a mask");
-    const auto& m = mask[0];
-    check(m.dtype() == (mode == kBool ? mx::bool_ : mx::float32), "sdpa: mask dtype");
-    check(m.ndim() <= 4, "sdpa: mask has more than 4 dimensions");
-    const int want[4] = {q.shape(0), q.shape(1), q.shape(2), k.shape(2)};
-    for (int d = 0; d < int(m.ndim()); ++d) {
-      const int size = m.shape(d), w = want[4 - int(m.ndim()) + d];
-      check(size == 1 || size == w, "sdpa: mask does not broadcast to the scores");
-    }
-    inputs.push_back(m);
-  }
-  return mx::array({q.shape(0), q.shape(1), q.shape(2), v.shape(3)}, mx::float32,
-                   std::make_shared<FlashserveSDPA>(cpu_stream(), mode, scale),
-                   std::move(inputs));
-}
-
 // ------------------------------------------------------------ log-sum-exp
-
-// e^x for a vector, to about 2 ulp: x = n ln2 + r with |r| <= ln2 / 2 (ln2 in
-// two parts, so r is exact), e^r by its degree-7 Taylor polynomial, 2^n into
-// the exponent. Below -87 it gives 0 and above 88.7 infinity, as float32's
-// underflow and overflow do.
-__attribute__((target("avx2,fma"))) inline __m256 exp8(__m256 x) {
-  const __m256 lo = _mm256_set1_ps(-87.0f);
-  const __m256 hi = _mm256_set1_ps(88.72f);
-  const __m256 too_small = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-  const __m256 too_large = _mm256_cmp_ps(x, hi, _CMP_GT_OQ);
-  x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  // n <= 128 here: 2^n as two factors keeps the exponent field in range.
-  const __m256i half = _mm256_srai_epi32(_mm256_cvtps_epi32(n), 1);
-  const __m256i rest = _mm256_sub_epi32(_mm256_cvtps_epi32(n), half);
-  const __m256 a = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, _mm256_set1_epi32(127)), 23));
-  const __m256 b = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(rest, _mm256_set1_epi32(127)), 23));
-  const __m256 y = _mm256_mul_ps(_mm256_mul_ps(p, a), b);
-  return _mm256_blendv_ps(_mm256_andnot_ps(too_small, y), _mm256_set1_ps(INFINITY), too_large);
-}
 
 __attribute__((target("avx2,fma"))) void logsumexp_compute(const mx::array& x, mx::array& out) {
   const int D = x.shape(-1);
@@ -586,12 +345,11 @@ mx::array swiglu(const mx::array& gate, const mx::array& x) {
 }  // namespace
 
 void add_step_ops(nb::module_& m) {
+  add_sdpa(m);
   m.def("rms_norm", &rms_norm, "x"_a, "weight"_a, "eps"_a,
         "x * rsqrt(mean(x^2, -1) + eps) * weight as one op (float32); weight: [] or [w]");
   m.def("rope", &rope, "x"_a, "offset"_a, "freqs"_a, "dims"_a, "traditional"_a, "base"_a,
         "scale"_a, "rotary position encoding as one op; freqs: [] or [freqs]");
-  m.def("sdpa", &sdpa, "q"_a, "k"_a, "v"_a, "mask"_a, "mask_mode"_a, "scale"_a,
-        "softmax(scale * q k^T + mask) v as one op; mask: [] or [mask]");
   m.def("logsumexp", &logsumexp, "x"_a, "keepdims"_a,
         "log(sum(exp(x))) over the last axis, vectorized (float32)");
   m.def("swiglu", &swiglu, "gate"_a, "x"_a, "silu(gate) * x as one vectorized op (float32)");

@@ -4,5 +4,8 @@
 
 #include <nanobind/nanobind.h>
 
-// Adds rms_norm, rope and sdpa to the extension module.
+// Adds rms_norm, rope, sdpa, logsumexp and swiglu to the extension module.
 void add_step_ops(nanobind::module_& m);
+
+// Adds sdpa (step_sdpa.cpp).
+void add_sdpa(nanobind::module_& m);
