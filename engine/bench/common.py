@@ -62,8 +62,10 @@ class StreamsResult:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
-def run_streams(engine: Engine, streams: int, tokens: int) -> StreamsResult:
+def run_streams(engine: Engine, streams: int, tokens: int, text: str = "") -> StreamsResult:
     """`streams` concurrent greedy requests of `tokens` tokens; aggregate decode rate.
+
+    Each prompt is `text` (a long one decodes at a long context) and "Fox {i}:".
 
     Timed from the moment every stream has its first token (all prompts are
     prefilled) until the first stream ends, counting the tokens in that window:
@@ -79,7 +81,7 @@ def run_streams(engine: Engine, streams: int, tokens: int) -> StreamsResult:
 
     def request(i: int) -> GenerationRequest:
         # Short: on the CPU backend prefill costs about as much per token as decode.
-        prompt = tokenizer.encode(f"Fox {i}:")
+        prompt = tokenizer.encode(f"{text}Fox {i}:")
         return GenerationRequest(prompt, tokens, SamplingParams(temperature=0, logit_bias=bias))
 
     async def go() -> list[list[float]]:

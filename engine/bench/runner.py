@@ -12,7 +12,8 @@ Sections (all by default):
   distributed  one model on 1 rank and split over 2 local ranks: TTFT, tokens/s,
            the per-step overhead
   decode   the default model's decode tokens/s at 1, 4, 8 streams: flashserve's
-           CPU quantized matmul vs MLX's kernel (and llama.cpp when installed)
+           CPU quantized matmul vs MLX's kernel (and llama.cpp when installed);
+           one stream after a 4k-token prompt
 
 --plot DIR draws the numbers as PNGs in DIR (plots.py; needs matplotlib).
 
