@@ -141,6 +141,17 @@ def test_long_context_attention_in_key_chunks_matches_mlx_on_any_thread_count(lq
         assert mx.array_equal(one, got[1:]).item()
 
 
+@pytest.mark.parametrize("lk", [300, 1100])
+def test_a_left_padded_sequence_attends_as_it_does_alone(lk):
+    """A batch left-pads its shorter sequences (mlx-lm's BatchKVCache): same bits as alone."""
+    pad = 517  # shifts the keys across chunk and block boundaries
+    q, k, v = attention_inputs(1, lk + pad, seed=9, dim=64)
+    keep = mx.arange(lk + pad)[None, None, None, :] >= mx.array([0, pad]).reshape(2, 1, 1, 1)
+    batch = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.2, mask=keep)
+    alone = mx.fast.scaled_dot_product_attention(q[1:], k[1:, :, pad:], v[1:, :, pad:], scale=0.2)
+    assert mx.array_equal(alone, batch[1:]).item()
+
+
 def test_logsumexp_matches_mlx_on_the_vocabulary_and_special_values():
     rows = [
         normal((1, 49152), 20) * 10,  # the default model's vocabulary

@@ -1,12 +1,14 @@
 // Attention for a decode step (few query rows) as one MLX primitive on the
 // CPU stream; step_ops.cpp says why the step ops exist.
 //
-// Keys are taken in fixed chunks of KEY_CHUNK: each (sequence, kv head,
-// chunk) is one part with its own softmax maximum, sum and weighted values,
-// and the parts are combined in chunk order. Parts run on the kernel's
-// threads (compute/csrc/qmm_kernels.h) once a context is long enough to be
-// worth it; because the chunks do not depend on the thread count, a row's
-// result is the same on any number of threads and in any batch.
+// Keys are taken in fixed chunks of KEY_CHUNK, counted from the newest key:
+// each (sequence, kv head, chunk) is one part with its own softmax maximum,
+// sum and weighted values, and the parts are combined in chunk order. Parts
+// run on the kernel's threads (compute/csrc/qmm_kernels.h) once a context is
+// long enough to be worth it. The chunks depend neither on the thread count
+// nor on left padding, and every key's score and weight take the same
+// arithmetic wherever it falls in a chunk, so a row's result is the same on
+// any number of threads and alone or in a batch.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/vector.h>
 
@@ -127,7 +129,10 @@ __attribute__((target("avx2,fma"))) void sdpa_part(const SdpaArgs& a, int b, int
   const int Hk = a.k.shape(1), Lk = a.k.shape(2), Dv = a.v.shape(3);
   const int repeats = Hq / Hk;
   const int R = repeats * Lq;
-  const int j0 = c * KEY_CHUNK, n = std::min(KEY_CHUNK, Lk - j0);
+  // Chunk 0 ends at the newest key: a sequence left-padded in a batch (its
+  // keys end where the batch's do) has its keys in the same chunks, at the
+  // same offsets, as alone, with only masked keys (exact zeros) added.
+  const int j_end = Lk - c * KEY_CHUNK, j0 = std::max(0, j_end - KEY_CHUNK), n = j_end - j0;
   const auto qs = a.q.strides(), ks = a.k.strides(), vs = a.v.strides();
   const float* qp = a.q.data<float>();
   const float* kp = a.k.data<float>() + b * ks[0] + hk * ks[1];
@@ -142,19 +147,45 @@ __attribute__((target("avx2,fma"))) void sdpa_part(const SdpaArgs& a, int b, int
     const float* qr = qp + b * qs[0] + h * qs[1] + i * qs[2];
     for (int d = 0; d < D; ++d) qrows[size_t(r) * D + d] = a.scale * qr[d * qs[3]];
   }
-  int blocked = 0;  // keys scored eight at a time (rows of unit stride only)
-  if (ks[3] == 1 && D % 8 == 0) {
-    const float* k0 = kp + int64_t(j0) * ks[2];
-    for (int r = 0; r < R; ++r) {
-      for (blocked = 0; blocked + 8 <= n; blocked += 8) {
-        scores8(&qrows[size_t(r) * D], k0 + blocked * ks[2], ks[2], D,
-                &scores[size_t(r) * n + blocked]);
+  // Eight keys a pass; the last few through a zero-padded copy, so every
+  // key's score takes the same arithmetic wherever it falls in a chunk.
+  if (D % 8 == 0) {
+    const int whole = n / 8 * 8;
+    std::vector<float> rest;
+    if (whole < n) {
+      rest.assign(size_t(8) * D, 0.0f);
+      for (int j = whole; j < n; ++j) {
+        const float* kr = row(kp + (j0 + j) * ks[2], ks[3], D, tmp);
+        std::copy(kr, kr + D, &rest[size_t(j - whole) * D]);
       }
     }
-  }
-  for (int j = blocked; j < n; ++j) {
-    const float* kr = row(kp + (j0 + j) * ks[2], ks[3], D, tmp);
-    for (int r = 0; r < R; ++r) scores[size_t(r) * n + j] = dot(&qrows[size_t(r) * D], kr, D);
+    std::vector<float> keys8;
+    for (int j = 0; j < whole; j += 8) {
+      const float* k8 = kp + (j0 + j) * ks[2];
+      int64_t stride = ks[2];
+      if (ks[3] != 1) {  // strided rows: contiguous copies first
+        keys8.resize(size_t(8) * D);
+        for (int t = 0; t < 8; ++t) {
+          const float* kr = row(kp + (j0 + j + t) * ks[2], ks[3], D, tmp);
+          std::copy(kr, kr + D, &keys8[size_t(t) * D]);
+        }
+        k8 = keys8.data();
+        stride = D;
+      }
+      for (int r = 0; r < R; ++r) scores8(&qrows[size_t(r) * D], k8, stride, D, &scores[size_t(r) * n + j]);
+    }
+    if (whole < n) {
+      float out[8];
+      for (int r = 0; r < R; ++r) {
+        scores8(&qrows[size_t(r) * D], rest.data(), D, D, out);
+        std::copy(out, out + (n - whole), &scores[size_t(r) * n + whole]);
+      }
+    }
+  } else {
+    for (int j = 0; j < n; ++j) {
+      const float* kr = row(kp + (j0 + j) * ks[2], ks[3], D, tmp);
+      for (int r = 0; r < R; ++r) scores[size_t(r) * n + j] = dot(&qrows[size_t(r) * D], kr, D);
+    }
   }
   std::vector<int64_t> ms;
   if (a.mask) ms = strides_as(*a.mask, 4);
@@ -186,7 +217,12 @@ __attribute__((target("avx2,fma"))) void sdpa_part(const SdpaArgs& a, int b, int
     for (; j + 8 <= n; j += 8) {
       _mm256_storeu_ps(sr + j, exp8(_mm256_sub_ps(_mm256_loadu_ps(sr + j), m)));
     }
-    for (; j < n; ++j) sr[j] = std::exp(sr[j] - top);
+    if (j < n) {  // the same e^x for the last few
+      float lanes[8] = {};
+      std::copy(sr + j, sr + n, lanes);
+      _mm256_storeu_ps(lanes, exp8(_mm256_sub_ps(_mm256_loadu_ps(lanes), m)));
+      std::copy(lanes, lanes + (n - j), sr + j);
+    }
     float total = 0.0f;
     for (j = 0; j < n; ++j) total += sr[j];
     part.total[r] = total;
