@@ -250,7 +250,9 @@ void compute_list(const std::vector<mx::array>& in, mx::array& out, int gs, int 
   gather_rows(xr, in[1].data<uint32_t>(), experts, p, out.data<float>(),
               [&](uint32_t e, QmmProblem& q) {
                 auto& wt = wts[e];
-                if (!wt) wt = std::make_unique<Weights>(in[2 + 3 * e], in[3 + 3 * e], in[4 + 3 * e], N);
+                if (!wt) {
+                  wt = std::make_unique<Weights>(in[2 + 3 * e], in[3 + 3 * e], in[4 + 3 * e], N);
+                }
                 q.w = wt->w;
                 q.scales = wt->s;
                 q.biases = wt->b;

@@ -75,7 +75,9 @@ __attribute__((target("avx2,fma"))) inline void scores8(const float* q, const fl
   for (int t = 0; t < 8; ++t) a[t] = _mm256_setzero_ps();
   for (int d = 0; d < D; d += 8) {
     const __m256 qv = _mm256_loadu_ps(q + d);
-    for (int t = 0; t < 8; ++t) a[t] = _mm256_fmadd_ps(_mm256_loadu_ps(k + t * stride + d), qv, a[t]);
+    for (int t = 0; t < 8; ++t) {
+      a[t] = _mm256_fmadd_ps(_mm256_loadu_ps(k + t * stride + d), qv, a[t]);
+    }
   }
   const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
   const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
@@ -121,8 +123,8 @@ struct SdpaArgs {
 };
 
 // Part (b, hk, chunk c): one kv head's query rows (its `repeats` query heads
-// times Lq) against keys [c * KEY_CHUNK, ...), so each key and value row is
-// read once for all of them.
+// times Lq) against the keys of chunk c, so each key and value row is read
+// once for all of them.
 __attribute__((target("avx2,fma"))) void sdpa_part(const SdpaArgs& a, int b, int hk, int c,
                                                    Partial& part) {
   const int Hq = a.q.shape(1), Lq = a.q.shape(2), D = a.q.shape(3);
@@ -172,7 +174,9 @@ __attribute__((target("avx2,fma"))) void sdpa_part(const SdpaArgs& a, int b, int
         k8 = keys8.data();
         stride = D;
       }
-      for (int r = 0; r < R; ++r) scores8(&qrows[size_t(r) * D], k8, stride, D, &scores[size_t(r) * n + j]);
+      for (int r = 0; r < R; ++r) {
+        scores8(&qrows[size_t(r) * D], k8, stride, D, &scores[size_t(r) * n + j]);
+      }
     }
     if (whole < n) {
       float out[8];
