@@ -284,7 +284,7 @@ void sdpa_compute(const mx::array& q, const mx::array& k, const mx::array& v,
         float total = 0.0f;
         for (int c = 0; c < chunks && Lk > 0; ++c) {
           if (first[c].top[r] == -inf) continue;
-          const float w = chunks == 1 ? 1.0f : std::exp(first[c].top[r] - top);
+          const float w = std::exp(first[c].top[r] - top);  // 1 for the top chunk
           total += w * first[c].total[r];
           axpy(acc.data(), w, &first[c].acc[size_t(r) * Dv], Dv);
         }
