@@ -63,6 +63,7 @@ QUICK_MOE = dict(
 FRACTIONS = (1.0, 0.5, 0.25, 0.10)
 SEED = 1234
 PAIRED_RUNS = 3
+HALF_PAIRED_RUNS = 5  # its ratio is a target: more rounds against this machine's noise
 WARM_PROMPT = "Once upon a time, in a quiet village by the sea, there lived"
 PROMPT = "The quick brown fox jumps over the lazy dog. Tell me a long story about it:"
 TRACE_PROMPTS = [
@@ -70,6 +71,9 @@ TRACE_PROMPTS = [
     "Write a short poem about the ocean and the wind.",
     '{"name": "get_weather", "arguments": {"city": "Paris"}} Describe the result.',
 ]
+# The paired rounds' prompts, one a round: each routes to experts of its own, so an
+# offload round reads what the rounds before it did not leave in the cache.
+ROUND_PROMPTS = [PROMPT, *TRACE_PROMPTS, "List ten uses of a paperclip, with reasons."]
 
 
 def make_moe_source(
@@ -139,6 +143,37 @@ class Row:
     recall: float | None = None
     wasted_bytes_per_token: float | None = None
     io_bound_tokens_per_s: float | None = None
+    paired_ratio: float | None = None  # paired rows: median of the rounds' x bound
+
+
+def _paired(
+    prepared: Path, slots: int, warm_tokens: int, tokens: int, *, preload: bool, rounds: int
+) -> tuple[list[tuple[float, float]], float]:
+    """Rounds of the resident model, then an offload with `slots` cached experts,
+    decoding the same prompt (another one each round); returns their tokens/s per
+    round and the offload's bytes read per decoded token. Before each offload
+    round the page cache is dropped, so its misses read from the disk."""
+    from flashserve.engine.loader import load
+
+    resident = load(EngineConfig(model=str(prepared)))
+    offload = load(EngineConfig(model=str(prepared), expert_cache=str(slots)))
+    experts = offload.experts
+    if preload:
+        experts.preload()
+    _decode(resident, WARM_PROMPT, warm_tokens)
+    _decode(offload, WARM_PROMPT, warm_tokens)
+    pairs, read = [], []
+    for r in range(rounds):
+        text = ROUND_PROMPTS[r % len(ROUND_PROMPTS)]
+        first = _decode(resident, text, tokens)
+        drop_page_cache(prepared)
+        pairs.append((first, _decode(offload, text, tokens, on_first=experts.reset)))
+        experts.flush()
+        view = experts.snapshot().since_start
+        read.append(view.bytes_read / max(view.forwards, 1))
+    _release(resident)
+    _release(offload)
+    return pairs, statistics.mean(read)
 
 
 def _decode(loaded: Any, text: str, tokens: int, on_first: Any = None) -> float:
@@ -205,22 +240,19 @@ def run(work_dir: Path, *, tokens: int = 32, quick: bool = False) -> dict:
         _release(loaded)
         return tps
 
-    # Paired runs: the resident model and the offload with every expert cached,
-    # loaded side by side and decoding in turns, so both see the same load from
-    # the other processes on this machine; the median ratio is the overhead.
-    resident = load(EngineConfig(model=str(prepared)))
-    cached = load(EngineConfig(model=str(prepared), expert_cache=str(total)))
-    cached.experts.preload()
-    _decode(resident, WARM_PROMPT, warm_tokens)
-    _decode(cached, WARM_PROMPT, warm_tokens)
-    pairs = [
-        (_decode(resident, PROMPT, tokens), _decode(cached, PROMPT, tokens))
-        for _ in range(PAIRED_RUNS)
-    ]
-    _release(resident)
-    _release(cached)
+    # Paired runs: the resident model and an offload loaded side by side and
+    # decoding in turns, so both see the same load from the other processes on
+    # this machine; the median ratio is the overhead. With every expert cached
+    # (the steady state of a full cache), and with half of them.
+    pairs, _ = _paired(prepared, total, warm_tokens, tokens, preload=True, rounds=PAIRED_RUNS)
     paired_resident = statistics.median(a for a, _ in pairs)
     paired_ratio = statistics.median(b / a for a, b in pairs)
+    half_slots = round(0.5 * total)
+    half_pairs, half_bytes = _paired(
+        prepared, half_slots, warm_tokens, tokens, preload=False, rounds=HALF_PAIRED_RUNS
+    )
+    # Each round's I/O bound: its resident speed, unless reading takes longer.
+    half_ratio = statistics.median(b * max(1.0 / a, half_bytes / disk) for a, b in half_pairs)
     rows: list[Row] = [
         Row("resident (paired)", None, None, "-", paired_resident),
         Row(
@@ -232,9 +264,20 @@ def run(work_dir: Path, *, tokens: int = 32, quick: bool = False) -> dict:
             1.0,
             1.0,
             0.0,
+            paired_ratio=paired_ratio,
+        ),
+        Row(
+            "50% cache (paired)",
+            0.5,
+            half_slots,
+            "none",
+            statistics.median(b for _, b in half_pairs),
+            bytes_per_token=half_bytes,
+            paired_ratio=half_ratio,
         ),
     ]
     log.info("paired resident / 100%% cache tokens/s: %s", pairs)
+    log.info("paired resident / 50%% cache tokens/s: %s", half_pairs)
 
     configs = [(f, p, "lru") for f in FRACTIONS for p in ("none", "next-layer")]
     configs.append((FRACTIONS[-1], "none", "lfu"))  # the frequency-aware policy where LRU cycles
@@ -335,7 +378,9 @@ def run(work_dir: Path, *, tokens: int = 32, quick: bool = False) -> dict:
                 pct(r.recall),
                 mb(r.wasted_bytes_per_token),
                 "-" if r.io_bound_tokens_per_s is None else r.io_bound_tokens_per_s,
-                "-"
+                r.paired_ratio
+                if r.paired_ratio is not None
+                else "-"
                 if r.io_bound_tokens_per_s is None
                 else r.tokens_per_s / r.io_bound_tokens_per_s,
             ]
@@ -381,8 +426,6 @@ def run(work_dir: Path, *, tokens: int = 32, quick: bool = False) -> dict:
         replay_rows,
     )
 
-    half = [r for r in rows if r.cache_fraction == 0.5]
-    best_half = max(half, key=lambda r: r.tokens_per_s)
     targets = [
         [
             "every expert cached >= 0.9x resident (median of paired runs)",
@@ -390,12 +433,9 @@ def run(work_dir: Path, *, tokens: int = 32, quick: bool = False) -> dict:
             "met" if paired_ratio >= 0.9 else "missed",
         ],
         [
-            "50% cache >= 0.8x I/O bound",
-            (
-                f"{best_half.tokens_per_s / best_half.io_bound_tokens_per_s:.2f}x "
-                f"(prefetch {best_half.prefetch})"
-            ),
-            "met" if best_half.tokens_per_s >= 0.8 * best_half.io_bound_tokens_per_s else "missed",
+            "50% cache >= 0.8x I/O bound (median of paired runs)",
+            f"{half_ratio:.2f}x",
+            "met" if half_ratio >= 0.8 else "missed",
         ],
     ]
     for r in replays:
@@ -412,6 +452,8 @@ def run(work_dir: Path, *, tokens: int = 32, quick: bool = False) -> dict:
         "resident_tokens_per_s": resident_tps,
         "paired": pairs,
         "paired_ratio": paired_ratio,
+        "paired_half": half_pairs,
+        "paired_half_ratio": half_ratio,
         "rows": [asdict(r) for r in rows],
         "replay": replays,
         "targets": targets,

@@ -71,6 +71,12 @@ class Capacity:
         assert self.nbytes is not None
         return nbytes <= self.nbytes
 
+    def used(self, slots: int, nbytes: int) -> float:
+        """The fraction that `slots` experts of `nbytes` in all fill (0 for no capacity)."""
+        if self.slots is not None:
+            return slots / self.slots if self.slots else 0.0
+        return nbytes / self.nbytes if self.nbytes else 0.0
+
     def describe(self) -> str:
         if self.slots is not None:
             return f"{self.slots} slots"
@@ -304,6 +310,16 @@ class ExpertCache:
         self._entries: dict[Key, Entry] = {}
         self.nbytes = 0
         self.pinned: set[Key] = set()
+        # layer -> changes to its keys or values: lists built over a layer's
+        # cached experts (experts/compute.py: built_ahead) are current while it stands.
+        self._versions: dict[int, int] = {}
+
+    def version(self, layer: int) -> int:
+        """A number that changes whenever one of `layer`'s entries is added, evicted or replaced."""
+        return self._versions.get(layer, 0)
+
+    def _changed(self, key: Key) -> None:
+        self._versions[key[0]] = self._versions.get(key[0], 0) + 1
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -333,6 +349,7 @@ class ExpertCache:
     def replace_value(self, key: Key, value: Any) -> None:
         """Swap a resident key's value (same size), without counting a use."""
         self._entries[key].value = value
+        self._changed(key)
 
     def room_for(self, nbytes: int) -> bool:
         """Whether an entry of `nbytes` could be inserted after evicting unpinned keys."""
@@ -356,12 +373,14 @@ class ExpertCache:
             self._evict(victim)
             evicted.append(victim)
         self._entries[key] = Entry(value, nbytes)
+        self._changed(key)
         self.nbytes += nbytes
         self.policy.insert(key)
         return evicted
 
     def _evict(self, key: Key) -> None:
         entry = self._entries.pop(key)
+        self._changed(key)
         self.nbytes -= entry.nbytes
         self.policy.remove(key)
         if self.on_evict is not None:

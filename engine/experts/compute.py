@@ -19,6 +19,7 @@ import numpy as np
 from mlx import nn
 
 from flashserve.engine.compute import qmm
+from flashserve.engine.experts.cache import ExpertCache
 from flashserve.engine.experts.store import SwitchLayout
 
 EMPTY = mx.zeros((0,))
@@ -34,6 +35,16 @@ class OffloadLayer:
     router: nn.Module | None = None  # this layer's router (resident copy), for prefetch
     next_layer: int | None = None
     slab: dict[str, mx.array] | None = None  # every expert stacked, when all are cached
+    every: EveryCached | None = None  # tensor lists over every cached expert (built_ahead)
+
+
+@dataclass
+class EveryCached:
+    """Per tensor name, a list indexed by expert id: the cached experts' arrays, and
+    a stand-in (another cached expert's) where one is not cached."""
+
+    version: int  # the cache's version of the layer when the lists were made
+    tensors: dict[str, list[mx.array]]
 
 
 def compute(
@@ -60,6 +71,42 @@ def compute(
     flat_x, flat_ids = x.reshape(-1, x.shape[-1]), ids.reshape(-1, k)
     outs, positions = per_expert(info, flat_x, flat_ids, needed, weights)
     return restore_order(outs, positions, ids.shape)
+
+
+def built_ahead(
+    info: OffloadLayer, x: mx.array, indices: mx.array, cache: ExpertCache
+) -> tuple[mx.array, int] | None:
+    """The call on every cached expert, built before its routing is evaluated.
+
+    The template runs on lists indexed by expert id (the routing needs no
+    remap), so the graph can be built while the router still computes: once
+    the ids are known, a call whose experts are all cached (and whose lists
+    are current: the returned cache version still stands) starts computing at
+    once, with no Python between the sync and the compute. Rows only read
+    their own experts, so the stand-ins of uncached experts are never read,
+    and each row's arithmetic is the list path's (bit-identical to
+    resident). None where the list path cannot run or nothing is cached.
+    """
+    if not listable(info, x):
+        return None
+    layer = info.layer
+    version = cache.version(layer)
+    every = info.every
+    if every is None or every.version != version:
+        entries = [cache.peek((layer, e)) for e in range(info.layout.num_experts)]
+        stand_in = next((entry for entry in entries if entry is not None), None)
+        if stand_in is None:
+            info.every = None
+            return None
+        every = EveryCached(
+            version,
+            {
+                name: [(stand_in if entry is None else entry).tensors[name] for entry in entries]
+                for _, _, name in info.slots
+            },
+        )
+        info.every = every
+    return run_template(info, x, indices, every.tensors), version
 
 
 def per_expert(

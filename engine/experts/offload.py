@@ -5,21 +5,22 @@ every MoE block with an `OffloadedSwitchGLU`. Routers, shared experts,
 attention, norms stay where the model (or the layer-streaming plan) keeps
 them. A call receives `(x, indices)` exactly like SwitchGLU.__call__ and:
 
-1. evaluates the router's indices (one sync per MoE layer: the ids decide what
-   to read, so this sync cannot be avoided) — together with the next MoE
-   layer's predicted experts when prefetch is on, so that costs no extra sync;
-2. looks every needed expert up in the cache; misses are read in parallel
-   (ExpertStore, pread on a thread pool), next-layer predictions start
-   reading right after them;
-3. runs the original SwitchGLU code (the module is kept as a template whose
-   expert tensors are swapped in for the call) once per needed expert, on the
-   token slots routed to it, with that expert's tensors as a one-expert stack
-   (`w[None]`: a view, no copy) — so the arithmetic is mlx-lm's own
-   gather_qmm / gather_mm on the same weights, and the output is bit-identical
-   to the resident model's (CPU gather_qmm computes every token slot on its
-   own; tests check the identity). `stacked = True` instead copies the needed
-   experts into one compact stack and makes a single call with remapped
-   indices (one copy of the experts per call; kept for comparison).
+1. evaluates the router's indices: one sync per MoE layer, since the ids decide
+   what to read (with the next MoE layer's predicted experts when prefetch is
+   on). While the router computes, the call is built ahead on every cached
+   expert of the layer (compute.built_ahead): when all the ids turn out
+   cached, it starts computing right after the sync, and the counting and the
+   policy's bookkeeping run while it does;
+2. otherwise looks every needed expert up in the cache; misses are read in
+   parallel (ExpertStore, pread on a thread pool), next-layer predictions
+   start reading right after them;
+3. runs the original SwitchGLU code (experts/compute.py: the module is a
+   template whose expert tensors are swapped in for the call) on the needed
+   experts' tensors where they lie: once over a list of them on flashserve's
+   kernel, else once per expert as a one-expert stack (`w[None]`, a view).
+   Each token slot's arithmetic is the resident model's, so the output is
+   bit-identical to it (tests check the identity). `stacked = True` instead
+   copies the needed experts into one stack (kept for comparison).
 
 When one call needs more experts than the cache holds, the experts are
 processed in chunks that fit: each chunk is evaluated before the next chunk
@@ -39,14 +40,10 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from flashserve.engine.experts.cache import (
-    Capacity,
-    ExpertCache,
-    Key,
-    chunk_keys,
-)
+from flashserve.engine.experts.cache import Capacity, ExpertCache, Key, chunk_keys
 from flashserve.engine.experts.compute import (
     OffloadLayer,
+    built_ahead,
     compute,
     per_expert,
     restore_order,
@@ -120,6 +117,8 @@ class ExpertOffload:
         total_bytes = sum(i.layout.num_experts * i.layout.record_bytes for i in layers.values())
         self.all_fit = cache.capacity.fits(total, total_bytes)
         self._deferred: deque[tuple[int, int, int, mx.array]] = deque()
+        self._ahead_rate = 1.0  # see run(): recent calls whose experts were all cached
+        self.ahead_calls = 0  # decode calls that ran as built ahead (experts/compute.py)
         # Expert reads in flight during a prefill call: enough to keep every
         # I/O thread busy while the experts before them compute.
         self.prefill_window = max(2 * store.threads, 4)
@@ -141,14 +140,24 @@ class ExpertOffload:
         nxt = info.next_layer
         if self.prefetch and nxt is not None and self.layers[nxt].router is not None:
             predicted = self._predict(self.layers[nxt], x)
-            mx.eval(indices, predicted)
-        else:
-            mx.eval(indices)
+        routing = [indices] if predicted is None else [indices, predicted]
+        # The one sync: the router computes while the call is built ahead.
+        mx.async_eval(routing)
+        ahead = built_ahead(info, x, indices, self.cache) if self._ahead_rate >= 0.25 else None
+        mx.eval(routing)
         ids = np.array(indices)
+        keys = [(layer, int(e)) for e in np.unique(ids)]
+        cached = all(key in self.cache for key in keys)
+        # How often every expert was cached lately: building ahead is wasted Python otherwise.
+        self._ahead_rate = 0.9 * self._ahead_rate + 0.1 * cached
+        if cached and ahead is not None and ahead[1] == self.cache.version(layer):
+            mx.async_eval(ahead[0])  # computes while the counting below runs
+            self.ahead_calls += 1
+            self._count_cached_call(info, ids, keys, predicted)
+            return ahead[0]
         needed = self._account(layer, ids, self._forward, self._token_base)
         self._score_prediction(layer, needed)
         pending = self._pending.pop(layer, {})
-        keys = [(layer, int(e)) for e in needed]
         used = {e for key in keys if key not in self.cache for e in (key[1],) if e in pending}
         self._discard_unused(layer, pending, used)
         chunks = chunk_keys(keys, self.cache.capacity, self.nbytes)
@@ -165,6 +174,20 @@ class ExpertOffload:
         if self.all_fit and self._layer_complete(info):
             self._make_slab(info)
         return out
+
+    def _count_cached_call(
+        self, info: OffloadLayer, ids: np.ndarray, keys: list[Key], predicted: mx.array | None
+    ) -> None:
+        """The counts, trace, policy uses and prefetch of a call whose experts were all cached."""
+        layer = info.layer
+        needed = self._account(layer, ids, self._forward, self._token_base)
+        self._score_prediction(layer, needed)
+        self._discard_unused(layer, self._pending.pop(layer, {}), set())
+        for key in keys:
+            self.cache.lookup(key)
+        self.stats.add(layer, HITS, len(keys))
+        if predicted is not None:
+            self._issue_prefetch(info.next_layer, predicted)
 
     def run_prefill(self, layer: int, x: mx.array, indices: mx.array) -> mx.array:
         """A prefill call (sequences longer than one token): expert-major, each needed
@@ -272,9 +295,11 @@ class ExpertOffload:
             self.trace.flush()
 
     def _dissolve_slabs(self) -> int:
-        """Drop every slab layer's experts (memory pressure); returns bytes freed."""
+        """Drop every slab layer's experts and built-ahead lists (memory pressure);
+        returns bytes freed."""
         freed = 0
         for info in self.layers.values():
+            info.every = None  # its lists would keep evicted experts' buffers alive
             if info.slab is None:
                 continue
             info.slab = None
@@ -457,10 +482,6 @@ class ExpertOffload:
         cap = self.cache.capacity
         occ_slots = int(resident[:, 0].sum())
         occ_bytes = int(resident[:, 1].sum())
-        if cap.slots is not None:
-            fraction = occ_slots / cap.slots if cap.slots else 0.0
-        else:
-            fraction = occ_bytes / cap.nbytes if cap.nbytes else 0.0
         return CacheStats(
             policy=self.cache.policy.name,
             prefetch="next-layer" if self.prefetch else "none",
@@ -468,7 +489,7 @@ class ExpertOffload:
             capacity_bytes=cap.nbytes,
             occupancy_slots=occ_slots,
             occupancy_bytes=occ_bytes,
-            occupancy_fraction=fraction,
+            occupancy_fraction=cap.used(occ_slots, occ_bytes),
             total_experts=sum(i.layout.num_experts for i in self.layers.values()),
             expert_bytes=max(self.nbytes.values()),
             moe_layers=list(self.order),

@@ -234,24 +234,25 @@ void compute(const mx::array& x, const mx::array& w, const mx::array& scales,
 }
 
 // Each row of x against its expert's matrix, the experts given as separate
-// arrays (inputs[2 + 3e .. 4 + 3e]: w, scales, biases of expert e): the
-// expert cache's experts used where they lie, no stacked copy.
-void compute_list(const std::vector<mx::array>& in, mx::array& out, int gs, int bits) {
-  const mx::array& x = in[0];
+// arrays (experts[3e .. 3e + 2]: w, scales, biases of expert e): the expert
+// cache's experts used where they lie, no stacked copy.
+void compute_list(const mx::array& x, const mx::array& rows_expert,
+                  const std::vector<mx::array>& experts, mx::array& out, int gs, int bits) {
   const int K = x.shape(-1);
-  const int N = in[2].shape(0);
+  const int N = experts[0].shape(0);
   const int64_t M = x.size() / K;
-  const int64_t experts = int64_t(in.size() - 2) / 3;
+  const int64_t count = int64_t(experts.size()) / 3;
   std::vector<char> keep_x;
   const std::vector<const float*> xr = x_rows(x, M, K, keep_x);
   // Resolved on first use: a call touches only the experts its rows route to.
-  std::vector<std::unique_ptr<Weights>> wts(experts);
-  const QmmProblem p = problem(x, in[3], N, gs, bits);
-  gather_rows(xr, in[1].data<uint32_t>(), experts, p, out.data<float>(),
+  std::vector<std::unique_ptr<Weights>> wts(count);
+  const QmmProblem p = problem(x, experts[1], N, gs, bits);
+  gather_rows(xr, rows_expert.data<uint32_t>(), count, p, out.data<float>(),
               [&](uint32_t e, QmmProblem& q) {
                 auto& wt = wts[e];
                 if (!wt) {
-                  wt = std::make_unique<Weights>(in[2 + 3 * e], in[3 + 3 * e], in[4 + 3 * e], N);
+                  wt = std::make_unique<Weights>(experts[3 * e], experts[3 * e + 1],
+                                                 experts[3 * e + 2], N);
                 }
                 q.w = wt->w;
                 q.scales = wt->s;
@@ -304,11 +305,16 @@ class FlashserveQMM : public mx::UnaryPrimitive {
 };
 
 // gather_qmm over a list of per-expert weights: inputs x, rows_expert, then
-// (w, scales, biases) per expert.
+// (w, scales, biases) per expert, or, when every expert's arrays were already
+// evaluated (the expert cache's always are), those held by the primitive
+// instead of as inputs: a list over every expert of a layer (experts/compute.py:
+// built_ahead) is ~200 arrays, and each graph input costs MLX's eval time.
 class FlashserveGatherList : public mx::UnaryPrimitive {
  public:
-  FlashserveGatherList(mx::Stream stream, int group_size, int bits)
-      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits) {}
+  using Experts = std::shared_ptr<const std::vector<mx::array>>;
+
+  FlashserveGatherList(mx::Stream stream, int group_size, int bits, Experts held)
+      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits), held_(std::move(held)) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     out.set_data(mx::allocator::malloc(out.nbytes()));
@@ -319,9 +325,14 @@ class FlashserveGatherList : public mx::UnaryPrimitive {
       ins.push_back(mx::array::unsafe_weak_copy(a));
     }
     encoder.set_output_array(out);
-    encoder.dispatch([ins = std::move(ins), out = mx::array::unsafe_weak_copy(out),
+    encoder.dispatch([ins = std::move(ins), held = held_, out = mx::array::unsafe_weak_copy(out),
                       gs = group_size_, bits = bits_]() mutable {
-      compute_list(ins, out, gs, bits);
+      if (held) {
+        compute_list(ins[0], ins[1], *held, out, gs, bits);
+      } else {
+        const std::vector<mx::array> experts(ins.begin() + 2, ins.end());
+        compute_list(ins[0], ins[1], experts, out, gs, bits);
+      }
     });
   }
 
@@ -333,12 +344,13 @@ class FlashserveGatherList : public mx::UnaryPrimitive {
 
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const FlashserveGatherList&>(other);
-    return group_size_ == o.group_size_ && bits_ == o.bits_;
+    return group_size_ == o.group_size_ && bits_ == o.bits_ && held_ == o.held_;
   }
 
  private:
   int group_size_;
   int bits_;
+  Experts held_;
 };
 
 // Several weights that share one input (an attention block's q, k and v
@@ -469,16 +481,27 @@ mx::array gather_qmm_list(const mx::array& x, const std::vector<mx::array>& ws,
   check(rows_expert.dtype() == mx::uint32, "rows_expert must be uint32");
   check(rows_expert.size() * x.shape(-1) == x.size(), "rows_expert must have one entry per row");
   auto s = cpu_stream();
-  std::vector<mx::array> inputs{x, mx::contiguous(mx::flatten(rows_expert, s), false, s)};
+  std::vector<mx::array> experts;
+  bool evaluated = true;
   for (size_t e = 0; e < n; ++e) {
     check_weights(x, ws[e], scales[e], biases[e], group_size, bits, 2);
     check(ws[e].shape() == ws[0].shape() && scales[e].dtype() == scales[0].dtype(),
           "gather_qmm_list: experts differ in shape or scale dtype");
-    inputs.insert(inputs.end(), {ws[e], scales[e], biases[e]});
+    experts.insert(experts.end(), {ws[e], scales[e], biases[e]});
+    evaluated = evaluated && ws[e].is_available() && scales[e].is_available() &&
+                biases[e].is_available();
+  }
+  std::vector<mx::array> inputs{x, mx::contiguous(mx::flatten(rows_expert, s), false, s)};
+  FlashserveGatherList::Experts held;
+  if (evaluated) {
+    held = std::make_shared<const std::vector<mx::array>>(std::move(experts));
+  } else {
+    inputs.insert(inputs.end(), experts.begin(), experts.end());
   }
   auto shape = x.shape();
   shape.back() = ws[0].shape(0);
-  return mx::array(shape, mx::float32, std::make_shared<FlashserveGatherList>(s, group_size, bits),
+  return mx::array(shape, mx::float32,
+                   std::make_shared<FlashserveGatherList>(s, group_size, bits, std::move(held)),
                    std::move(inputs));
 }
 
