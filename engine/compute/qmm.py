@@ -223,25 +223,29 @@ class _Siblings:
 
     def __init__(self, members: list[FastQuantizedLinear]) -> None:
         self.members = members
+        # By identity: modules are dicts, so == (and list.index) would compare contents.
+        self.index = {id(m): i for i, m in enumerate(members)}
+        self.group_sizes = [m.group_size for m in members]
+        self.bits = [m.bits for m in members]
         self.x: mx.array | None = None  # the input the kept outputs belong to
         self.kept: dict[int, mx.array] = {}  # member index -> output not yet taken
 
     def output(self, member: FastQuantizedLinear, x: mx.array) -> mx.array:
-        index = next(i for i, m in enumerate(self.members) if m is member)
-        if self.x is x and index in self.kept:
-            y = self.kept.pop(index)
-            if not self.kept:
+        # Called ~60 times per decode step on the thread that builds MLX's graph,
+        # which shares the CPU with the kernel: kept lean.
+        index = self.index[id(member)]
+        kept = self.kept
+        if self.x is x and index in kept:
+            y = kept.pop(index)
+            if not kept:
                 self.x = None  # nothing left to hand out: let x go
             return y
-        ms = self.members
-        ys = _state.module.qmm_multi(
-            x,
-            [m["weight"] for m in ms],
-            [m["scales"] for m in ms],
-            [m["biases"] for m in ms],
-            [m.group_size for m in ms],
-            [m.bits for m in ms],
-        )
+        weights, scales, biases = [], [], []
+        for m in self.members:  # read each call: the layer streamer swaps arrays
+            weights.append(m["weight"])
+            scales.append(m["scales"])
+            biases.append(m["biases"])
+        ys = _state.module.qmm_multi(x, weights, scales, biases, self.group_sizes, self.bits)
         self.x = x
         self.kept = {i: y for i, y in enumerate(ys) if i != index}
         return ys[index]

@@ -33,10 +33,15 @@ constexpr int CHUNK4 = 128;  // 4-bit values in one 64-byte load: 16 words of 8 
 
 // Bytes ahead of each weight row's read to prefetch. A tile reads a few short
 // rows (288 bytes for 576 4-bit values) before moving on, too little for the
-// hardware prefetcher to ramp up; asking ~1 KB ahead (the next tiles' rows,
-// which follow in memory) took a full 4-bit model pass from ~13 to ~10.5 ms
-// on one core. Prefetches never fault, so reading past the matrix is harmless.
-constexpr int PREFETCH = 1024;
+// hardware prefetcher to ramp up; asking ahead (the next tiles' rows, which
+// follow in memory) took a full 4-bit model pass from ~13 to ~10.5 ms on one
+// core at 1 KB. At 3 KB the one-stream decode of the default model ran ~1.1x
+// faster again (interleaved rounds in one process), mostly in the 8-bit head,
+// which reads twice the bytes per value and so ran out of 1 KB of lead twice
+// as fast; 2 KB was between, 4-8 KB no better, non-temporal hints no better,
+// and 4 streams were unchanged. Prefetches never fault, so reading past the
+// matrix is harmless.
+constexpr int PREFETCH = 3072;
 
 // `count` (<= 16) scales or biases starting at element `at`, as floats in the
 // low lanes; masked loads never touch memory past the row.

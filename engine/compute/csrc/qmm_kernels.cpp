@@ -250,12 +250,13 @@ Prepared prepare_x(const QmmProblem& p, bool permuted, std::vector<float>& buf) 
 // layer in a one-stream decode step, so the spin is short: a worker that spun
 // 200 us after each job spun through the whole step and took a core from the
 // thread building MLX's next graph (with step_ops.cpp's fewer nodes, spins of
-// 300 us and 2 ms were still no better than 50 us). A job is a
+// 300 us and 2 ms were still no better than 50 us; later, 20 us gave ~1.09x
+// the one-stream tokens/s of 50 us, and 10 us the same as 20). A job is a
 // number of parts claimed one at a time from a counter; the calling thread
 // claims parts too, so a worker that is not scheduled in time (a busy
 // machine) costs nothing: the caller does its parts instead.
 
-constexpr int SPIN_US = 50;
+constexpr int SPIN_US = 20;
 
 struct Job {
   const std::function<void(int)>* fn;
