@@ -231,21 +231,22 @@ class _Siblings:
         self.kept: dict[int, mx.array] = {}  # member index -> output not yet taken
 
     def output(self, member: FastQuantizedLinear, x: mx.array) -> mx.array:
-        # Called ~60 times per decode step on the thread that builds MLX's graph,
-        # which shares the CPU with the kernel: kept lean.
+        # ~60 calls a decode step on the graph thread, which shares the CPU with the kernel.
         index = self.index[id(member)]
-        kept = self.kept
-        if self.x is x and index in kept:
-            y = kept.pop(index)
-            if not kept:
+        if self.x is x and index in self.kept:
+            y = self.kept.pop(index)
+            if not self.kept:
                 self.x = None  # nothing left to hand out: let x go
             return y
-        weights, scales, biases = [], [], []
-        for m in self.members:  # read each call: the layer streamer swaps arrays
-            weights.append(m["weight"])
-            scales.append(m["scales"])
-            biases.append(m["biases"])
-        ys = _state.module.qmm_multi(x, weights, scales, biases, self.group_sizes, self.bits)
+        ms = self.members  # arrays read each call: the layer streamer swaps them
+        ys = _state.module.qmm_multi(
+            x,
+            [m["weight"] for m in ms],
+            [m["scales"] for m in ms],
+            [m["biases"] for m in ms],
+            self.group_sizes,
+            self.bits,
+        )
         self.x = x
         self.kept = {i: y for i, y in enumerate(ys) if i != index}
         return ys[index]
