@@ -39,6 +39,9 @@ class EngineConfig:
     # where they run, engine/compute/qmm.py, step_ops.py) | fast (required) |
     # mlx (MLX's kernel and ops).
     quantized_matmul: str = "auto"
+    # Resident models on the CPU: each decode step as one compiled MLX function
+    # (generation/decode_step.py); the same tokens either way.
+    compile_decode: bool = True
     # Prompt cache: memory tier bytes, 0 turns the whole cache off; SSD tier
     # bytes, 0 keeps it in memory only. The server's settings turn both on.
     prompt_cache_bytes: int = 0

@@ -112,6 +112,11 @@ class Settings(BaseSettings):
         "step ops (norms, RoPE, attention, SwiGLU, log-sum-exp); "
         "auto = flashserve's where they run, else MLX's",
     )
+    compile_decode: bool = Field(
+        True,
+        description="CPU, every weight resident: run each decode step as one compiled "
+        "MLX function (less Python per step; the same tokens)",
+    )
 
     # Several machines (engine/distributed/): one model split by layer ranges
     hostfile: str | None = Field(

@@ -202,3 +202,26 @@ def test_quick_bench_prints_every_section(tmp_path: Path) -> None:
         assert f"plot: {png}" in proc.stdout
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert png.stat().st_size > 20_000, name
+
+
+def test_quick_decode_section_prints_both_kernels_and_its_targets(tmp_path: Path) -> None:
+    """The decode section (the default model): both kernels, llama.cpp where installed."""
+    cmd = [sys.executable, "-m", "flashserve.server.cli", "bench", "--", "--quick"]
+    cmd += ["--sections", "decode", "--tokens", "4", "--work-dir", str(tmp_path)]
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=_clean_env(), capture_output=True, text=True, timeout=TIMEOUT_S
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    tables = _tables(proc.stdout)
+    decode = [rows for t, rows in tables.items() if t.startswith("Decode: default model")]
+    assert len(decode) == 1, proc.stdout
+    kernels = {(r["kernel"], r["streams"]) for r in decode[0]}
+    for kernel in ("flashserve kernel", "MLX kernel"):  # CI builds the fast path
+        assert {(kernel, "1"), (kernel, "2")} <= kernels, kernels
+    for row in decode[0]:
+        assert _number(row["tokens/s"]) > 0, row
+    targets = proc.stdout.split("Decode targets")[1]
+    assert re.search(r"^  2 streams / 1 stream: [0-9.]+x \(target >= 2.5x\)", targets, re.M)
+    assert re.search(r"^  1 stream / llama.cpp( 1 stream: [0-9.]+x|: not measured)", targets, re.M)
+    compiled = re.search(r"compiled step / step built by Python: ([0-9.]+)x", targets)
+    assert compiled and float(compiled.group(1)) > 0, targets

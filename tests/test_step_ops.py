@@ -152,6 +152,29 @@ def test_a_left_padded_sequence_attends_as_it_does_alone(lk):
     assert mx.array_equal(alone, batch[1:]).item()
 
 
+@pytest.mark.parametrize("lk", [5, 300, 1100])
+def test_keys_past_the_last_one_a_bool_mask_admits_are_left_out_to_the_bit(lk):
+    """A fixed-capacity buffer (the compiled decode step's) attends as one of exact length.
+
+    Its unused tail is masked for every row; the result must be the same bits
+    as attention over only the keys written, in a batch with left padding.
+    """
+    tail = 211  # unused rows: moves where the chunks would end
+    q, k, v = attention_inputs(1, lk + tail, seed=4, dim=64)
+    positions = mx.arange(lk + tail)[None, None, None, :]
+    pad = mx.array([0, lk // 2]).reshape(2, 1, 1, 1)
+    buffer = (positions >= pad) & (positions < lk)
+    exact = positions[..., :lk] >= pad
+    sdpa = mx.fast.scaled_dot_product_attention
+    got = sdpa(q, k, v, scale=0.2, mask=buffer)
+    want = sdpa(q, k[:, :, :lk], v[:, :, :lk], scale=0.2, mask=exact)
+    assert mx.array_equal(got, want).item()
+    # A mask that hides every key keeps them all, as MLX's does (every value averaged).
+    hidden = mx.zeros((1, 1, 1, lk + tail), dtype=mx.bool_)
+    everything = mlx_op("scaled_dot_product_attention")(q, k, v, scale=0.2, mask=hidden)
+    assert relative_error(sdpa(q, k, v, scale=0.2, mask=hidden), everything) < TOLERANCE
+
+
 def test_logsumexp_matches_mlx_on_the_vocabulary_and_special_values():
     rows = [
         normal((1, 49152), 20) * 10,  # the default model's vocabulary

@@ -6,7 +6,9 @@ matmuls on flashserve's CPU kernel (compute/qmm.py) and once on MLX's, in the
 same engine and the same run. When llama-cpp-python is installed (the
 `llamacpp` extra), llama.cpp decodes the same GGUF file in the same run, one
 stream (its Python API decodes one sequence; its server batches, this bench
-does not start it). Targets (issue 22): one stream at >= 0.8x llama.cpp, and
+does not start it). Each round also decodes one stream on a second engine
+whose steps Python builds every time instead of replaying them compiled
+(generation/decode_step.py). Targets (issue 22): one stream at >= 0.8x llama.cpp, and
 4 streams at >= 2.5x one stream. Then one stream decodes after a prompt of
 about LONG_CONTEXT tokens (a coding agent's conversation), on flashserve's
 kernel and on llama.cpp, where attention over the context weighs as much as
@@ -52,6 +54,10 @@ def run(work_dir: Path, *, tokens: int, quick: bool) -> dict:
     # gets two.
     rounds = {"fast": 1 if quick else 5, "mlx": 1 if quick else 2}
     engine = start_engine(EngineConfig(model=None, max_batch=max(streams_list)))
+    # The same model with each decode step built by Python, not replayed
+    # compiled (generation/decode_step.py): one stream beside it in each round.
+    uncompiled = start_engine(EngineConfig(model=None, max_batch=1, compile_decode=False))
+    run_streams(uncompiled, 1, 3)  # warm-up
     kernels = ["fast", "mlx"] if qmm.active() else ["mlx"]
     if not qmm.active():
         print(f"\n(fast path not available: {qmm.unavailable_reason()})")
@@ -67,6 +73,8 @@ def run(work_dir: Path, *, tokens: int, quick: bool) -> dict:
             run_streams(engine, 1, 3)  # warm up: graph shapes, allocator
             for _ in range(rounds[kernel]):
                 got = {str(n): run_streams(engine, n, tokens).tokens_per_s for n in streams_list}
+                if kernel == "fast":
+                    got["uncompiled"] = run_streams(uncompiled, 1, tokens).tokens_per_s
                 if kernel == "fast" and llama:
                     got["llama"] = llama.rate(tokens)
                 log.info("%s round: %s tok/s", kernel, got)
@@ -82,6 +90,7 @@ def run(work_dir: Path, *, tokens: int, quick: bool) -> dict:
     finally:
         qmm.set_active("fast" in kernels)
         engine.shutdown()
+        uncompiled.shutdown()
     llama_best = max((r["llama"] for r in paired if "llama" in r), default=None)
     llama_long = None
     if long and llama:
@@ -123,6 +132,8 @@ def run(work_dir: Path, *, tokens: int, quick: bool) -> dict:
             print(f"  1 stream / llama.cpp 1 stream: {got:.2f}x (target >= 0.8x) {verdict}")
         else:
             print("  1 stream / llama.cpp: not measured (pip install llama-cpp-python)")
+        got = statistics.median(r["1"] / r["uncompiled"] for r in paired)
+        print(f"  (1 stream, compiled step / step built by Python: {got:.2f}x)")
         four = "4" if 4 in streams_list else str(max(streams_list))
         got = statistics.median(r[four] / r["1"] for r in paired)
         verdict = "met" if got >= 2.5 else "MISSED"

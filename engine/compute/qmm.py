@@ -378,6 +378,11 @@ def _group_siblings(model: nn.Module) -> None:
                 m._qmm_siblings = group
 
 
+def fusion() -> bool:
+    """Whether sibling linears share one kernel call now."""
+    return _state.fuse
+
+
 def set_fusion(on: bool) -> None:
     """Whether sibling linears share one kernel call (on by default; the bench compares)."""
     _state.fuse = on

@@ -81,6 +81,11 @@ def set_enabled(on: bool) -> None:
     _state.enabled = on
 
 
+def active() -> bool:
+    """Whether calls take the fast ops now (the fast path is on and they are allowed)."""
+    return _fast() is not None
+
+
 def _fast() -> Any | None:
     """The extension when calls may take the fast ops now, else None."""
     if not (_state.enabled and qmm.active()):

@@ -24,6 +24,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from flashserve.engine.compute import blas
 from flashserve.engine.config import EngineConfig
 from flashserve.engine.distributed.mirror import Mirror, load_model
+from flashserve.engine.generation import decode_step
 from flashserve.engine.generation.choices import Choice, Start, keep_first_space
 from flashserve.engine.generation.prefill import (
     LayerMajorPrefill,
@@ -202,8 +203,15 @@ class Engine:
 
     def _new_batch(self) -> BatchGenerator:
         assert self.loaded is not None
+        loaded = self.loaded
+        compile_ok = (
+            self.config.compile_decode
+            and loaded.streamer is None
+            and loaded.experts is None
+            and self.mirror is None
+        )
         batch = BatchGenerator(
-            self.loaded.model,
+            decode_step.for_model(loaded.model, compile=compile_ok),
             completion_batch_size=self.config.max_batch,
             prefill_batch_size=self.config.max_batch,
             prefill_step_size=self.config.prefill_step_size,

@@ -120,6 +120,7 @@ struct SdpaArgs {
   const mx::array* mask;
   int mode;
   float scale;
+  int Lk;  // keys taken: k's rows up to the last one a bool mask lets any query row see
 };
 
 // Part (b, hk, chunk c): one kv head's query rows (its `repeats` query heads
@@ -128,7 +129,7 @@ struct SdpaArgs {
 __attribute__((target("avx2,fma"))) void sdpa_part(const SdpaArgs& a, int b, int hk, int c,
                                                    Partial& part) {
   const int Hq = a.q.shape(1), Lq = a.q.shape(2), D = a.q.shape(3);
-  const int Hk = a.k.shape(1), Lk = a.k.shape(2), Dv = a.v.shape(3);
+  const int Hk = a.k.shape(1), Lk = a.Lk, Dv = a.v.shape(3);
   const int repeats = Hq / Hk;
   const int R = repeats * Lq;
   // Chunk 0 ends at the newest key: a sequence left-padded in a batch (its
@@ -251,16 +252,43 @@ __attribute__((target("avx2,fma"))) void sdpa_part(const SdpaArgs& a, int b, int
   }
 }
 
+// Keys at the end that a bool mask hides from every query row are left out,
+// as if k and v ended before them: a fixed-capacity cache's unused rows
+// (generation/decode_step.py) then cost nothing, and the chunks (which end at
+// the newest key taken) hold the same keys as for a cache of exact length, so
+// the result is the same to the bit. A mask hiding everything keeps them all.
+int keys_seen(const mx::array& k, const mx::array* mask, int mode) {
+  const int Lk = k.shape(2);
+  if (mode != kBool || mask == nullptr) return Lk;
+  const auto ms = strides_as(*mask, 4);
+  int sizes[4];
+  for (int d = 0; d < 4; ++d) {
+    const int off = 4 - int(mask->ndim());
+    sizes[d] = d < off || ms[d] == 0 ? 1 : mask->shape(d - off);
+  }
+  const bool* m = mask->data<bool>();
+  for (int j = Lk - 1; j >= 0; --j) {
+    for (int b = 0; b < sizes[0]; ++b) {
+      for (int h = 0; h < sizes[1]; ++h) {
+        for (int i = 0; i < sizes[2]; ++i) {
+          if (m[b * ms[0] + h * ms[1] + i * ms[2] + j * ms[3]]) return j + 1;
+        }
+      }
+    }
+  }
+  return Lk;
+}
+
 void sdpa_compute(const mx::array& q, const mx::array& k, const mx::array& v,
                   const mx::array* mask, int mode, float scale, mx::array& out) {
   const int B = q.shape(0), Hq = q.shape(1), Lq = q.shape(2);
-  const int Hk = k.shape(1), Lk = k.shape(2), Dv = v.shape(3);
+  const int Hk = k.shape(1), Lk = keys_seen(k, mask, mode), Dv = v.shape(3);
   const int repeats = Hq / Hk;
   const int R = repeats * Lq;
   const int chunks = std::max(1, (Lk + KEY_CHUNK - 1) / KEY_CHUNK);
   const int parts = B * Hk * chunks;
   std::vector<Partial> partials(parts);
-  const SdpaArgs args{q, k, v, mask, mode, scale};
+  const SdpaArgs args{q, k, v, mask, mode, scale, Lk};
   const auto run = [&](int p) {
     if (Lk > 0) sdpa_part(args, p / (Hk * chunks), p / chunks % Hk, p % chunks, partials[p]);
   };

@@ -1,0 +1,182 @@
+"""A decode step of a resident model as one compiled MLX function.
+
+On MLX's CPU backend a decode step of the default model is ~850 graph
+nodes, and Python builds every one of them each step through mlx-lm's
+modules: ~2 ms of a ~10 ms step, on a core the quantized matmuls want
+(issue 22). `mx.compile` records the step once and replays it from C++.
+
+mlx-lm's BatchKVCache cannot be traced as it is: it writes and slices its
+buffers at a Python int (`_idx`), so a recorded step would keep writing at
+the position it was traced at. Inside the compiled function each layer's
+cache is a `_TracedCache` instead: the same buffers, written at a position
+given as an array, and handed to attention whole, with a mask that admits
+the keys a BatchKVCache would have returned (left padding to the newest
+key). Attention skips keys that no row may see at the end of the buffer
+(compute/csrc/step_sdpa.cpp), so it sees the same keys in the same chunks
+as the uncompiled step: the outputs are bit-identical. The BatchKVCache
+objects stay the state of record; the step writes its buffers, offsets and
+`_idx` back, so mlx-lm's batching (insert, filter, extract) and the prompt
+cache keep working on them unchanged.
+
+A step is compiled only when its result cannot depend on anything else
+that changes: every weight resident (no layer streamer, no expert cache,
+no split across ranks), one new token per sequence, BatchKVCache layers.
+Other calls go to the model as they are. A trace is kept per input shape
+(batch size, buffer capacity: it grows by mlx-lm's 256 keys) and per state
+of the switches that decide which ops a step is built from; the least
+recently used go past MAX_TRACES.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import BatchKVCache
+
+from flashserve.engine.compute import qmm, step_ops
+
+log = logging.getLogger(__name__)
+
+
+class _TracedCache:
+    """One layer's BatchKVCache inside the compiled step: written at an array position."""
+
+    def __init__(
+        self, keys: mx.array, values: mx.array, offset: mx.array, at: mx.array, mask: mx.array
+    ) -> None:
+        self.keys, self.values, self.offset = keys, values, offset
+        self.at = at  # (1,) int32: the write position, BatchKVCache's _idx
+        self.mask = mask
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        self.keys = mx.slice_update(self.keys, keys, self.at, axes=(2,))
+        self.values = mx.slice_update(self.values, values, self.at, axes=(2,))
+        self.offset = self.offset + keys.shape[2]
+        return self.keys, self.values
+
+    def make_mask(self, n: int, return_array: bool = False, **_: Any) -> mx.array:
+        del n, return_array  # one query row; always an array
+        return self.mask
+
+
+def switches() -> tuple[bool, ...]:
+    """What decides which ops a step is built from: a trace is kept per state."""
+    return (qmm.active(), step_ops.active(), qmm.fusion())
+
+
+# Traces kept, one per (switches, batch size, buffer capacity), least recently
+# used dropped first. A trace holds ~850 graph nodes without data; a long
+# conversation passes a new capacity every 256 tokens, and only the latest
+# few are used again.
+MAX_TRACES = 16
+
+
+class CompiledDecode:
+    """The model as BatchGenerator calls it: decode steps compiled, anything else as it is."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self._fns: dict[tuple, Callable[..., list[mx.array]]] = {}  # in order of use
+        self._positions = mx.arange(0)  # 0 .. capacity - 1, for the mask
+        self.failed = False  # a trace failed: this model decodes uncompiled from then on
+        self.steps = 0  # compiled steps run (tests check the path was taken)
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for what this object lacks: layers, make_cache, args...
+        return getattr(self.model, name)
+
+    def __call__(self, inputs: mx.array, cache: list[Any] | None = None, **kwargs: Any) -> mx.array:
+        # Only flashserve's attention leaves the buffer's unused tail out; MLX's
+        # would attend over it, masked, and round differently.
+        if kwargs or self.failed or not step_ops.active() or not _eligible(inputs, cache):
+            return self.model(inputs, cache=cache, **kwargs)
+        assert cache is not None
+        try:
+            return self._compiled(inputs, cache)
+        except Exception as exc:  # any model the trace cannot take: it decodes as before
+            self.failed = True
+            log.warning("decode step not compiled for this model (%s); running it uncompiled", exc)
+            return self.model(inputs, cache=cache)
+
+    def _compiled(self, inputs: mx.array, cache: list[BatchKVCache]) -> mx.array:
+        idx = cache[0]._idx
+        for c in cache:
+            _make_room(c, idx)
+        capacity = cache[0].keys.shape[2]
+        if self._positions.shape[0] != capacity:
+            self._positions = mx.arange(capacity)
+        positions = self._positions
+        # What BatchKVCache.make_mask admits (its left padding to the new key),
+        # over the whole buffer; keys past the new one are masked for every row.
+        left = cache[0].left_padding.reshape(-1, 1, 1, 1)
+        mask = (positions >= left) & (positions <= idx)
+        at = mx.array([idx], dtype=mx.int32)
+        state = [a for c in cache for a in (c.keys, c.values, c.offset)]
+        key = (*switches(), inputs.shape[0], capacity)
+        fn = self._fns.pop(key, None)
+        if fn is None:
+            fn = mx.compile(self._step)
+            if len(self._fns) >= MAX_TRACES:
+                del self._fns[next(iter(self._fns))]  # the least recently used
+        self._fns[key] = fn  # now the most recently used
+        logits, *new = fn(inputs, at, mask, state)
+        for i, c in enumerate(cache):
+            # The old buffers' last reference goes here, so the step's slice
+            # updates write in place when it runs, as BatchKVCache's do.
+            c.keys, c.values, c.offset = new[3 * i : 3 * i + 3]
+            c._idx = idx + inputs.shape[1]
+        self.steps += 1
+        return logits
+
+    def _step(
+        self, inputs: mx.array, at: mx.array, mask: mx.array, state: list[mx.array]
+    ) -> list[mx.array]:
+        caches = [
+            _TracedCache(state[i], state[i + 1], state[i + 2], at, mask)
+            for i in range(0, len(state), 3)
+        ]
+        out = [self.model(inputs, cache=caches)]
+        for c in caches:
+            out += [c.keys, c.values, c.offset]
+        return out
+
+
+def _eligible(inputs: mx.array, cache: list[Any] | None) -> bool:
+    """One new token per sequence over plain BatchKVCache layers at one position."""
+    if not cache or inputs.ndim != 2 or inputs.shape[1] != 1:
+        return False
+    if not all(type(c) is BatchKVCache and c.keys is not None for c in cache):
+        return False
+    idx = cache[0]._idx
+    return all(c._idx == idx and c._right_padding is None for c in cache)
+
+
+def _make_room(c: BatchKVCache, idx: int) -> None:
+    """Grow a layer's buffers for one more key, as BatchKVCache.update_and_fetch would."""
+    if idx + 1 <= c.keys.shape[2]:
+        return
+    B, heads, _, k_dim = c.keys.shape
+    grow = BatchKVCache.step
+    c.keys = mx.concatenate(
+        [c.keys[..., :idx, :], mx.zeros((B, heads, grow, k_dim), c.keys.dtype)], axis=2
+    )
+    v_dim = c.values.shape[3]
+    c.values = mx.concatenate(
+        [c.values[..., :idx, :], mx.zeros((B, c.values.shape[1], grow, v_dim), c.values.dtype)],
+        axis=2,
+    )
+
+
+def for_model(model: nn.Module, *, compile: bool) -> nn.Module | CompiledDecode:
+    """The model BatchGenerator should call: compiled decode steps if `compile` (CPU only).
+
+    The caller says whether compiling is safe: every weight resident, nothing
+    swapped or routed in Python between steps.
+    """
+    if not compile or mx.default_device() != mx.cpu:
+        return model
+    return CompiledDecode(model)
