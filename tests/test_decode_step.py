@@ -152,3 +152,32 @@ def test_few_traces_kept_still_decode_to_the_bit(tmp_path: Path, monkeypatch):
         pairs = zip(compiled[uid][1], logprobs, strict=True)
         assert all(mx.array_equal(a, b).item() for a, b in pairs)
     assert len(compiled_model._fns) == 1 and compiled_model.steps > 250
+
+
+class Peeking:
+    """A model that reads an array's value in Python while it runs: no trace can hold that."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    def __call__(self, inputs: mx.array, cache=None) -> mx.array:
+        if cache:
+            cache[0].offset.max().item()
+        return self.model(inputs, cache=cache)
+
+    def __getattr__(self, name: str):
+        return getattr(self.model, name)
+
+
+def test_a_model_the_trace_cannot_take_decodes_uncompiled_and_the_same(tmp_path: Path):
+    path = make_model_dir(tmp_path / "llama", "llama", quantize_bits=4, group_size=32)
+    model, _, _ = load_plain(path)
+    qmm.use_fast_qmm(model)
+    step_ops.install()
+    prompts = [[5, 9, 13], [7, 3, 11, 2], [9, 9, 2]]
+    lengths = [12, 8, 6]
+    plain = decode(model, prompts, lengths, join_at=3)
+    compiled_model = decode_step.CompiledDecode(Peeking(model))
+    got = decode(compiled_model, prompts, lengths, join_at=3)
+    assert compiled_model.failed and compiled_model.steps == 0
+    assert {uid: t for uid, (t, _) in got.items()} == {uid: t for uid, (t, _) in plain.items()}

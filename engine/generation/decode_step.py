@@ -58,8 +58,12 @@ class _TracedCache:
         self.offset = self.offset + keys.shape[2]
         return self.keys, self.values
 
-    def make_mask(self, n: int, return_array: bool = False, **_: Any) -> mx.array:
+    def make_mask(self, n: int, return_array: bool = False, **kwargs: Any) -> mx.array:
         del n, return_array  # one query row; always an array
+        if kwargs.get("window_size") is not None:
+            # A sliding window kept by the mask alone: not this mask. The
+            # trace fails and the model decodes uncompiled.
+            raise ValueError("a windowed attention mask")
         return self.mask
 
 
