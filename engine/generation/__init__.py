@@ -3,6 +3,8 @@ flashserve.engine but `bench`.
 
 - `worker`       Engine: the request queue, continuous batching on mlx-lm's
                  BatchGenerator, cancellation, stats.
+- `decode_step`  a resident model's decode step as one compiled MLX function
+                 (what BatchGenerator calls as the model).
 - `requests`     GenerationRequest, SamplingParams, the events a request
                  yields, and RequestHandle (thread-safe hand-off to asyncio).
 - `sampling`     a per-request sampler and logits processors (mlx-lm's).
