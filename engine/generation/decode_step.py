@@ -85,7 +85,6 @@ class CompiledDecode:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self._fns: dict[tuple, Callable[..., list[mx.array]]] = {}  # in order of use
-        self._positions = mx.arange(0)  # 0 .. capacity - 1, for the mask
         self.failed = False  # a trace failed: this model decodes uncompiled from then on
         self.steps = 0  # compiled steps run (tests check the path was taken)
 
@@ -109,15 +108,13 @@ class CompiledDecode:
     def _compiled(self, inputs: mx.array, cache: list[BatchKVCache]) -> mx.array:
         idx = cache[0]._idx
         for c in cache:
-            _make_room(c, idx)
+            _make_room(c, inputs.shape[0])
         capacity = cache[0].keys.shape[2]
-        if self._positions.shape[0] != capacity:
-            self._positions = mx.arange(capacity)
-        positions = self._positions
-        # What BatchKVCache.make_mask admits (its left padding to the new key),
-        # over the whole buffer; keys past the new one are masked for every row.
-        left = cache[0].left_padding.reshape(-1, 1, 1, 1)
-        mask = (positions >= left) & (positions <= idx)
+        # BatchKVCache's own mask for this step (left padding to the new key),
+        # widened to the whole buffer: keys past the new one hidden from every row.
+        mask = cache[0].make_mask(1, return_array=True)
+        widths = [(0, 0)] * (mask.ndim - 1) + [(0, capacity - mask.shape[-1])]
+        mask = mx.pad(mask, widths, constant_values=False)
         at = mx.array([idx], dtype=mx.int32)
         state = [a for c in cache for a in (c.keys, c.values, c.offset)]
         key = (*switches(), inputs.shape[0], capacity)
@@ -159,20 +156,20 @@ def _eligible(inputs: mx.array, cache: list[Any] | None) -> bool:
     return all(c._idx == idx and c._right_padding is None for c in cache)
 
 
-def _make_room(c: BatchKVCache, idx: int) -> None:
-    """Grow a layer's buffers for one more key, as BatchKVCache.update_and_fetch would."""
-    if idx + 1 <= c.keys.shape[2]:
+def _make_room(c: BatchKVCache, batch: int) -> None:
+    """Grow a layer's buffers for one more key the way BatchKVCache does, if they are full.
+
+    Through its own update_and_fetch (a zero key, taken back with trim), so
+    mlx-lm keeps deciding how buffers grow.
+    """
+    if c._idx < c.keys.shape[2]:
         return
-    B, heads, _, k_dim = c.keys.shape
-    grow = BatchKVCache.step
-    c.keys = mx.concatenate(
-        [c.keys[..., :idx, :], mx.zeros((B, heads, grow, k_dim), c.keys.dtype)], axis=2
+    k, v = c.keys, c.values
+    c.update_and_fetch(
+        mx.zeros((batch, k.shape[1], 1, k.shape[3]), k.dtype),
+        mx.zeros((batch, v.shape[1], 1, v.shape[3]), v.dtype),
     )
-    v_dim = c.values.shape[3]
-    c.values = mx.concatenate(
-        [c.values[..., :idx, :], mx.zeros((B, c.values.shape[1], grow, v_dim), c.values.dtype)],
-        axis=2,
-    )
+    c.trim(1)
 
 
 def for_model(model: nn.Module, *, compile: bool) -> nn.Module | CompiledDecode:
