@@ -29,6 +29,7 @@ SOURCES = [
     "engine/compute/csrc/qmm_avx512.cpp",
     "engine/compute/csrc/step_ops.cpp",
     "engine/compute/csrc/step_sdpa.cpp",
+    "engine/compute/csrc/step_cache.cpp",
 ]
 
 

@@ -294,16 +294,24 @@ def test_real_architectures_decode_the_same_with_one_node_per_op(name, tmp_path:
     assert attention_layers > 0
     assert fast_ops["FlashserveSDPA"] == attention_layers
     assert fast_ops["FlashserveRoPE"] == 2 * attention_layers  # queries and keys
-    assert fast_ops["FlashserveRMSNorm"] >= 2 * model.args.num_hidden_layers
+    # RMSNorms and SwiGLUs that feed a quantized matmul are computed by it
+    # (graph_folds: no node of their own); the others are one node each.
+    norms = plain_ops["Rsqrt"] - fast_ops["Rsqrt"]  # MLX's fallback: one Rsqrt each
+    assert norms >= 2 * model.args.num_hidden_layers
+    assert 0 <= fast_ops["FlashserveRMSNorm"] < norms  # some folded: the one before the head
     # Every SwiGLU (mlx-lm's compiled sigmoid-multiply kernel) became ours;
     # Gemma's GeGLU and gated attention's sigmoids stay MLX's.
     sigmoids = [sum(n for op, n in ops.items() if "Sigmoid" in op) for ops in (plain_ops, fast_ops)]
-    assert sigmoids[0] - sigmoids[1] == fast_ops["FlashserveSwiGLU"]
-    assert arch == "gemma3_text" or fast_ops["FlashserveSwiGLU"] >= model.args.num_hidden_layers
+    swiglus = sigmoids[0] - sigmoids[1]
+    assert swiglus >= fast_ops["FlashserveSwiGLU"]
+    assert arch == "gemma3_text" or swiglus >= model.args.num_hidden_layers
     assert "Cos" not in fast_ops and "Sin" not in fast_ops
-    # What is left is not these ops: gated delta-net's own norms, MoE routing.
-    assert plain_ops["Rsqrt"] - fast_ops["Rsqrt"] == fast_ops["FlashserveRMSNorm"]
     assert fast_ops["Softmax"] == plain_ops["Softmax"] - attention_layers
+    # Views splitting and merging heads (4 transposes a layer): the output
+    # projection reads the heads, and RoPE reads q and k unless Gemma's
+    # per-head norm comes between. The values' stay.
+    folded = plain_ops["Transpose"] - fast_ops["Transpose"]
+    assert folded >= (1 if arch == "gemma3_text" else 3) * attention_layers
     # MLX's fallbacks are 15, 31 and 18 nodes; each fast op is one.
     saved = sum(plain_ops.values()) - sum(fast_ops.values())
     assert saved >= sum(fast_ops[op] * n for op, n in REPLACED_NODES.items())

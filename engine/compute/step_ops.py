@@ -13,6 +13,13 @@ sampler normalizes every step), and mlx-lm's compiled `swiglu` (MLX's
 compiled CPU kernels call a scalar exp per element); the extension's are
 vectorized.
 
+Where their results feed one another, the ops read through the views
+between them and compute the next op's input themselves (csrc/graph_folds.h):
+RoPE reads q and k as projected, the output projection reads attention's
+heads, a quantized matmul computes the RMSNorm or SwiGLU it is fed, and
+`cache_write` stores keys or values read through the views (the compiled
+decode step's cache). Each is a graph node less, with the same numbers.
+
 `install()` routes the three mx.fast functions and mx.logsumexp through this
 module, and replaces `swiglu` in mlx-lm's model modules (each imports its
 own name for it), so every architecture's and sampler's call sites take
@@ -209,6 +216,19 @@ def logsumexp(
         if last in (-1, a.ndim - 1) or (last is None and a.ndim == 1):
             return ext.logsumexp(a, keepdims)
     return _original("logsumexp")(a, axis=axis, keepdims=keepdims, stream=stream)
+
+
+def cache_write(buffer: mx.array, x: mx.array, at: mx.array) -> mx.array:
+    """`buffer` with x (B, H, T, D) written at position `at` (int32, shape (1,)) of axis 2.
+
+    One op that reads x through the views splitting it into heads, in place
+    where the buffer can be donated (csrc/step_cache.cpp); `mx.slice_update`
+    where the fast ops do not run.
+    """
+    ext = _fast()
+    if ext is not None and buffer.dtype == x.dtype == mx.float32 and buffer.ndim == x.ndim == 4:
+        return ext.cache_write(buffer, x, at)
+    return mx.slice_update(buffer, x, at, axes=(2,))
 
 
 def swiglu(gate: mx.array, x: mx.array) -> mx.array:

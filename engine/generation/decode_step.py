@@ -53,8 +53,8 @@ class _TracedCache:
         self.mask = mask
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        self.keys = mx.slice_update(self.keys, keys, self.at, axes=(2,))
-        self.values = mx.slice_update(self.values, values, self.at, axes=(2,))
+        self.keys = step_ops.cache_write(self.keys, keys, self.at)
+        self.values = step_ops.cache_write(self.values, values, self.at)
         self.offset = self.offset + keys.shape[2]
         return self.keys, self.values
 
@@ -116,7 +116,10 @@ class CompiledDecode:
         widths = [(0, 0)] * (mask.ndim - 1) + [(0, capacity - mask.shape[-1])]
         mask = mx.pad(mask, widths, constant_values=False)
         at = mx.array([idx], dtype=mx.int32)
-        state = [a for c in cache for a in (c.keys, c.values, c.offset)]
+        # Every layer has taken the same tokens (BatchGenerator updates them
+        # alike), so their offsets are equal: one array serves them all, and
+        # the trace computes the next one once instead of once per layer.
+        state = [cache[0].offset] + [a for c in cache for a in (c.keys, c.values)]
         key = (*switches(), inputs.shape[0], capacity)
         fn = self._fns.pop(key, None)
         if fn is None:
@@ -124,11 +127,12 @@ class CompiledDecode:
             if len(self._fns) >= MAX_TRACES:
                 del self._fns[next(iter(self._fns))]  # the least recently used
         self._fns[key] = fn  # now the most recently used
-        logits, *new = fn(inputs, at, mask, state)
+        logits, offset, *new = fn(inputs, at, mask, state)
         for i, c in enumerate(cache):
             # The old buffers' last reference goes here, so the step's slice
             # updates write in place when it runs, as BatchKVCache's do.
-            c.keys, c.values, c.offset = new[3 * i : 3 * i + 3]
+            c.keys, c.values = new[2 * i : 2 * i + 2]
+            c.offset = offset
             c._idx = idx + inputs.shape[1]
         self.steps += 1
         return logits
@@ -136,13 +140,14 @@ class CompiledDecode:
     def _step(
         self, inputs: mx.array, at: mx.array, mask: mx.array, state: list[mx.array]
     ) -> list[mx.array]:
+        offset, buffers = state[0], state[1:]
         caches = [
-            _TracedCache(state[i], state[i + 1], state[i + 2], at, mask)
-            for i in range(0, len(state), 3)
+            _TracedCache(buffers[i], buffers[i + 1], offset, at, mask)
+            for i in range(0, len(buffers), 2)
         ]
-        out = [self.model(inputs, cache=caches)]
+        out = [self.model(inputs, cache=caches), caches[0].offset]
         for c in caches:
-            out += [c.keys, c.values, c.offset]
+            out += [c.keys, c.values]
         return out
 
 

@@ -33,8 +33,9 @@
 #include "mlx/stream.h"
 #include "mlx/utils.h"
 #include "mlx/version.h"
-#include "step_ops.h"
+#include "graph_folds.h"
 #include "qmm_kernels.h"
+#include "step_ops.h"
 
 namespace nb = nanobind;
 namespace mx = mlx::core;
@@ -91,9 +92,10 @@ const T* rows_of(const mx::array& a, int64_t rows, int64_t cols, int64_t& stride
   return dst;
 }
 
-// x as M row pointers (rows of K contiguous floats). Any layout whose last
-// dimension is contiguous (slices, broadcasts) is used in place; otherwise
-// the rows are copied into `keep`.
+// x as M row pointers (rows of K contiguous floats): x's elements in order,
+// K at a time (x's last dimension is K, or x is a view's source: graph_folds.h).
+// Any layout whose last dimension is K and contiguous (slices, broadcasts)
+// is used in place; otherwise the rows are copied into `keep`.
 std::vector<const float*> x_rows(const mx::array& x, int64_t M, int K, std::vector<char>& keep) {
   std::vector<const float*> rows(M);
   const float* base = x.data<float>();
@@ -102,7 +104,7 @@ std::vector<const float*> x_rows(const mx::array& x, int64_t M, int K, std::vect
     for (int64_t m = 0; m < M; ++m) rows[m] = base + m * K;
     return rows;
   }
-  if (x.strides()[nd - 1] != 1 && K > 1) {
+  if ((x.strides()[nd - 1] != 1 && K > 1) || x.shape(nd - 1) != K) {
     int64_t stride = 0;
     base = rows_of<float>(x, M, K, stride, keep, true);
     for (int64_t m = 0; m < M; ++m) rows[m] = base + m * K;
@@ -153,9 +155,9 @@ struct Weights {
   }
 };
 
-QmmProblem problem(const mx::array& x, const mx::array& scales, int N, int gs, int bits) {
+QmmProblem problem(int K, const mx::array& scales, int N, int gs, int bits) {
   QmmProblem p{};
-  p.K = x.shape(-1);
+  p.K = K;
   p.N = N;
   p.bits = bits;
   p.group_size = gs;
@@ -200,18 +202,53 @@ void gather_rows(const std::vector<const float*>& xr, const uint32_t* idx, int64
   }
 }
 
-// One problem: out = x @ dequantize(w).T, or with `index` each row against
-// its expert's matrix in a stacked weight.
-void compute(const mx::array& x, const mx::array& w, const mx::array& scales,
+// What a matmul op reads as x: the leading `count` inputs, either x itself
+// (or the array x views: graph_folds.h) or the inputs of the step op that
+// made x, which the op then computes first (step_ops.h: Prologue).
+struct XInput {
+  flashserve_step::PrologueKind kind = flashserve_step::PrologueKind::none;
+  float eps = 0.0f;
+  int count = 1;
+
+  bool operator==(const XInput& o) const {
+    return kind == o.kind && eps == o.eps && count == o.count;
+  }
+
+  // x's M rows of K floats; `keep` holds any copy or prologue result.
+  std::vector<const float*> rows(const std::vector<mx::array>& ins, int K,
+                                 std::vector<char>& keep) const {
+    const int64_t M = ins[0].size() / K;
+    if (kind == flashserve_step::PrologueKind::none) return x_rows(ins[0], M, K, keep);
+    keep.resize(size_t(M) * K * sizeof(float));
+    float* x = reinterpret_cast<float*>(keep.data());
+    flashserve_step::run_prologue(kind, eps, {ins.begin(), ins.begin() + count}, x);
+    std::vector<const float*> out(M);
+    for (int64_t m = 0; m < M; ++m) out[m] = x + m * K;
+    return out;
+  }
+};
+
+// x's leading inputs for a matmul op, and how to read them.
+std::pair<std::vector<mx::array>, XInput> x_input(const mx::array& x) {
+  auto pro = flashserve_step::prologue_of(x);
+  if (pro.kind != flashserve_step::PrologueKind::none) {
+    const int count = int(pro.inputs.size());
+    return {std::move(pro.inputs), XInput{pro.kind, pro.eps, count}};
+  }
+  // Attention's output projection gets its heads merged by views: read the heads.
+  return {{flashserve_fold::merged_heads_source(x).value_or(x)}, XInput{}};
+}
+
+// One problem: out = x @ dequantize(w).T (x as rows), or with `index` each
+// row against its expert's matrix in a stacked weight.
+void compute(const std::vector<const float*>& xr, const mx::array& w, const mx::array& scales,
              const mx::array& biases, const mx::array* index, mx::array& out, int gs, int bits) {
-  const int K = x.shape(-1);
+  const int K = int(int64_t(w.shape(-1)) * 32 / bits);
   const int N = w.shape(-2);
-  const int64_t M = x.size() / K;
+  const int64_t M = int64_t(xr.size());
   const int64_t experts = index ? w.shape(0) : 1;
-  std::vector<char> keep_x;
-  const std::vector<const float*> xr = x_rows(x, M, K, keep_x);
   const Weights wt(w, scales, biases, experts * N);
-  QmmProblem p = problem(x, scales, N, gs, bits);
+  QmmProblem p = problem(K, scales, N, gs, bits);
   p.w_stride = wt.w_stride;
   p.s_stride = wt.s_stride;
   if (index == nullptr) {
@@ -233,6 +270,8 @@ void compute(const mx::array& x, const mx::array& w, const mx::array& scales,
               });
 }
 
+int inner_size(const mx::array& w, int bits) { return int(int64_t(w.shape(-1)) * 32 / bits); }
+
 // Each row of x against its expert's matrix, the experts given as separate
 // arrays (experts[3e .. 3e + 2]: w, scales, biases of expert e): the expert
 // cache's experts used where they lie, no stacked copy.
@@ -246,7 +285,7 @@ void compute_list(const mx::array& x, const mx::array& rows_expert,
   const std::vector<const float*> xr = x_rows(x, M, K, keep_x);
   // Resolved on first use: a call touches only the experts its rows route to.
   std::vector<std::unique_ptr<Weights>> wts(count);
-  const QmmProblem p = problem(x, experts[1], N, gs, bits);
+  const QmmProblem p = problem(K, experts[1], N, gs, bits);
   gather_rows(xr, rows_expert.data<uint32_t>(), count, p, out.data<float>(),
               [&](uint32_t e, QmmProblem& q) {
                 auto& wt = wts[e];
@@ -264,26 +303,25 @@ void compute_list(const mx::array& x, const mx::array& rows_expert,
 
 class FlashserveQMM : public mx::UnaryPrimitive {
  public:
-  FlashserveQMM(mx::Stream stream, int group_size, int bits, bool gather)
-      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits), gather_(gather) {}
+  FlashserveQMM(mx::Stream stream, int group_size, int bits, bool gather, XInput x)
+      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits), gather_(gather), x_(x) {}
 
+  // Inputs: x's (x_.count), w, scales, biases, then the row experts if gathering.
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    const mx::array& x = inputs[0];
-    const mx::array& w = inputs[1];
-    const mx::array& scales = inputs[2];
-    const mx::array& biases = inputs[3];
     out.set_data(mx::allocator::malloc(out.nbytes()));
-
     auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (const auto& a : inputs) encoder.set_input_array(a);
+    std::vector<mx::array> ins;
+    for (const auto& a : inputs) {
+      encoder.set_input_array(a);
+      ins.push_back(mx::array::unsafe_weak_copy(a));
+    }
     encoder.set_output_array(out);
-    encoder.dispatch([x = mx::array::unsafe_weak_copy(x), w = mx::array::unsafe_weak_copy(w),
-                      scales = mx::array::unsafe_weak_copy(scales),
-                      biases = mx::array::unsafe_weak_copy(biases),
-                      index = mx::array::unsafe_weak_copy(gather_ ? inputs[4] : inputs[0]),
-                      out = mx::array::unsafe_weak_copy(out), gs = group_size_, bits = bits_,
-                      gather = gather_]() mutable {
-      compute(x, w, scales, biases, gather ? &index : nullptr, out, gs, bits);
+    encoder.dispatch([ins = std::move(ins), out = mx::array::unsafe_weak_copy(out),
+                      gs = group_size_, bits = bits_, gather = gather_, xi = x_]() mutable {
+      const int n = xi.count;
+      std::vector<char> keep;
+      const auto xr = xi.rows(ins, inner_size(ins[n], bits), keep);
+      compute(xr, ins[n], ins[n + 1], ins[n + 2], gather ? &ins[n + 3] : nullptr, out, gs, bits);
     });
   }
 
@@ -295,13 +333,15 @@ class FlashserveQMM : public mx::UnaryPrimitive {
 
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const FlashserveQMM&>(other);
-    return group_size_ == o.group_size_ && bits_ == o.bits_ && gather_ == o.gather_;
+    return group_size_ == o.group_size_ && bits_ == o.bits_ && gather_ == o.gather_ &&
+           x_ == o.x_;
   }
 
  private:
   int group_size_;
   int bits_;
   bool gather_;
+  XInput x_;
 };
 
 // gather_qmm over a list of per-expert weights: inputs x, rows_expert, then
@@ -359,9 +399,14 @@ class FlashserveGatherList : public mx::UnaryPrimitive {
 // op computes it, so fusing never changes a number.
 class FlashserveQMMMulti : public mx::Primitive {
  public:
-  FlashserveQMMMulti(mx::Stream stream, std::vector<int> group_sizes, std::vector<int> bits)
-      : mx::Primitive(stream), group_sizes_(std::move(group_sizes)), bits_(std::move(bits)) {}
+  FlashserveQMMMulti(mx::Stream stream, std::vector<int> group_sizes, std::vector<int> bits,
+                     XInput x)
+      : mx::Primitive(stream),
+        group_sizes_(std::move(group_sizes)),
+        bits_(std::move(bits)),
+        x_(x) {}
 
+  // Inputs: x's (x_.count), then w, scales, biases of each weight.
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& encoder = mx::cpu::get_command_encoder(stream());
     std::vector<mx::array> ins, outs;
@@ -375,10 +420,13 @@ class FlashserveQMMMulti : public mx::Primitive {
       outs.push_back(mx::array::unsafe_weak_copy(o));
     }
     encoder.dispatch([ins = std::move(ins), outs = std::move(outs), gs = group_sizes_,
-                      bits = bits_]() mutable {
+                      bits = bits_, xi = x_]() mutable {
+      const int n = xi.count;
+      std::vector<char> keep;
+      const auto xr = xi.rows(ins, inner_size(ins[n], bits[0]), keep);
       for (size_t i = 0; i < outs.size(); ++i) {
-        compute(ins[0], ins[1 + 3 * i], ins[2 + 3 * i], ins[3 + 3 * i], nullptr, outs[i], gs[i],
-                bits[i]);
+        compute(xr, ins[n + 3 * i], ins[n + 1 + 3 * i], ins[n + 2 + 3 * i], nullptr, outs[i],
+                gs[i], bits[i]);
       }
     });
   }
@@ -391,12 +439,13 @@ class FlashserveQMMMulti : public mx::Primitive {
 
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const FlashserveQMMMulti&>(other);
-    return group_sizes_ == o.group_sizes_ && bits_ == o.bits_;
+    return group_sizes_ == o.group_sizes_ && bits_ == o.bits_ && x_ == o.x_;
   }
 
  private:
   std::vector<int> group_sizes_;
   std::vector<int> bits_;
+  XInput x_;
 };
 
 void check(bool ok, const char* what) {
@@ -428,9 +477,11 @@ mx::array qmm(const mx::array& x, const mx::array& w, const mx::array& scales,
   check_weights(x, w, scales, biases, group_size, bits, 2);
   auto shape = x.shape();
   shape.back() = w.shape(0);
+  auto [inputs, how] = x_input(x);
+  inputs.insert(inputs.end(), {w, scales, biases});
   return mx::array(shape, mx::float32,
-                   std::make_shared<FlashserveQMM>(cpu_stream(), group_size, bits, false),
-                   {x, w, scales, biases});
+                   std::make_shared<FlashserveQMM>(cpu_stream(), group_size, bits, false, how),
+                   std::move(inputs));
 }
 
 std::vector<mx::array> qmm_multi(const mx::array& x, const std::vector<mx::array>& ws,
@@ -442,7 +493,7 @@ std::vector<mx::array> qmm_multi(const mx::array& x, const std::vector<mx::array
   check(n > 0 && scales.size() == n && biases.size() == n && group_sizes.size() == n &&
             bits.size() == n,
         "qmm_multi takes one scales, biases, group size and width per weight");
-  std::vector<mx::array> inputs{x};
+  auto [inputs, how] = x_input(x);
   std::vector<mx::Shape> shapes;
   for (size_t i = 0; i < n; ++i) {
     check_weights(x, ws[i], scales[i], biases[i], group_sizes[i], bits[i], 2);
@@ -453,7 +504,7 @@ std::vector<mx::array> qmm_multi(const mx::array& x, const std::vector<mx::array
   }
   return mx::array::make_arrays(
       std::move(shapes), std::vector<mx::Dtype>(n, mx::float32),
-      std::make_shared<FlashserveQMMMulti>(cpu_stream(), group_sizes, bits), inputs);
+      std::make_shared<FlashserveQMMMulti>(cpu_stream(), group_sizes, bits, how), inputs);
 }
 
 mx::array gather_qmm(const mx::array& x, const mx::array& w, const mx::array& scales,
@@ -467,7 +518,7 @@ mx::array gather_qmm(const mx::array& x, const mx::array& w, const mx::array& sc
   auto s = cpu_stream();
   auto index = mx::contiguous(mx::flatten(rows_expert, s), false, s);
   return mx::array(shape, mx::float32,
-                   std::make_shared<FlashserveQMM>(s, group_size, bits, true),
+                   std::make_shared<FlashserveQMM>(s, group_size, bits, true, XInput{}),
                    {x, w, scales, biases, index});
 }
 

@@ -41,6 +41,7 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
+#include "graph_folds.h"
 #include "step_common.h"
 
 namespace nb = nanobind;
@@ -52,14 +53,13 @@ namespace {
 
 // ---------------------------------------------------------------- RMSNorm
 
-void rms_norm_compute(const mx::array& x, const mx::array* w, mx::array& out, float eps) {
+void rms_norm_compute(const mx::array& x, const mx::array* w, float* op, float eps) {
   const int D = x.shape(-1);
   const int64_t rows = x.size() / D;
   const int nd = x.ndim();
   const float* xp = x.data<float>();
   std::vector<float> xt, wt;
   const float* wr = w ? row(w->data<float>(), w->strides()[0], D, wt) : nullptr;
-  float* op = out.data<float>();
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = row(xp + row_offset(x, r), x.strides()[nd - 1], D, xt);
     float sum = 0.0f;
@@ -82,7 +82,7 @@ class FlashserveRMSNorm : public mx::UnaryPrimitive {
     out.set_data(mx::allocator::malloc(out.nbytes()));
     dispatch(stream(), inputs, out,
              [in = weak(inputs), out = mx::array::unsafe_weak_copy(out), eps = eps_]() mutable {
-               rms_norm_compute(in[0], in.size() > 1 ? &in[1] : nullptr, out, eps);
+               rms_norm_compute(in[0], in.size() > 1 ? &in[1] : nullptr, out.data<float>(), eps);
              });
   }
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
@@ -92,6 +92,7 @@ class FlashserveRMSNorm : public mx::UnaryPrimitive {
   bool is_equivalent(const mx::Primitive& other) const override {
     return eps_ == static_cast<const FlashserveRMSNorm&>(other).eps_;
   }
+  float eps() const { return eps_; }
 
  private:
   float eps_;
@@ -117,16 +118,16 @@ struct RopeParams {
   float base;
   float scale;
   bool has_freqs;
+  flashserve_fold::HeadsLayout layout;  // how x relates to out (graph_folds.h)
 };
 
 void rope_compute(const mx::array& x, const mx::array& offset, const mx::array* freqs,
                   mx::array& out, const RopeParams& p) {
-  // x as (B, N, T, D): a 3-D x is (B, 1, T, D), as in MLX's fallback.
-  const int nd = x.ndim();
-  const int B = x.shape(0), T = x.shape(-2), D = x.shape(-1);
-  const int N = nd == 4 ? x.shape(1) : 1;
-  const int64_t sb = x.strides()[0], st = x.strides()[nd - 2], sd = x.strides()[nd - 1];
-  const int64_t sn = nd == 4 ? x.strides()[1] : 0;
+  // out as (B, N, T, D): a 3-D one is (B, 1, T, D), as in MLX's fallback.
+  const int nd = out.ndim();
+  const int B = out.shape(0), T = out.shape(-2), D = out.shape(-1);
+  const int N = nd == 4 ? out.shape(1) : 1;
+  const auto [sb, sn, st, sd] = flashserve_fold::head_strides(x, p.layout, D);
   const int half = p.dims / 2;
   const int32_t* offs = offset.data<int32_t>();
   const bool per_batch = offset.size() > 1;
@@ -192,7 +193,7 @@ class FlashserveRoPE : public mx::UnaryPrimitive {
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const FlashserveRoPE&>(other).p_;
     return p_.dims == o.dims && p_.traditional == o.traditional && p_.base == o.base &&
-           p_.scale == o.scale && p_.has_freqs == o.has_freqs;
+           p_.scale == o.scale && p_.has_freqs == o.has_freqs && p_.layout == o.layout;
   }
 
  private:
@@ -207,7 +208,9 @@ mx::array rope(const mx::array& x, const mx::array& offset, const std::vector<mx
   check(offset.dtype() == mx::int32 && offset.ndim() <= 1, "rope's offset must be int32");
   check(offset.size() == 1 || int64_t(offset.size()) == x.shape(0),
         "rope's offset must have one value or one per batch row");
-  std::vector<mx::array> inputs{x, offset};
+  // Attention's q and k arrive split into heads by views: read what they view.
+  auto [source, layout] = flashserve_fold::heads_source(x);
+  std::vector<mx::array> inputs{source, offset};
   const bool has_freqs = !freqs.empty();
   if (has_freqs) {
     check(freqs[0].dtype() == mx::float32 && freqs[0].ndim() == 1 &&
@@ -215,11 +218,10 @@ mx::array rope(const mx::array& x, const mx::array& offset, const std::vector<mx
           "rope's freqs must be float32 with dims / 2 values");
     inputs.push_back(freqs[0]);
   }
-  return mx::array(
-      x.shape(), mx::float32,
-      std::make_shared<FlashserveRoPE>(cpu_stream(),
-                                       RopeParams{dims, traditional, base, scale, has_freqs}),
-      std::move(inputs));
+  return mx::array(x.shape(), mx::float32,
+                   std::make_shared<FlashserveRoPE>(
+                       cpu_stream(), RopeParams{dims, traditional, base, scale, has_freqs, layout}),
+                   std::move(inputs));
 }
 
 // ------------------------------------------------------------ log-sum-exp
@@ -304,7 +306,7 @@ __attribute__((target("avx2,fma"))) void swiglu_row(const float* g, const float*
   for (; i < n; ++i) o[i] = (g[i] * (1.0f / (1.0f + std::exp(-g[i])))) * x[i];
 }
 
-void swiglu_compute(const mx::array& g, const mx::array& x, mx::array& out) {
+void swiglu_compute(const mx::array& g, const mx::array& x, float* op) {
   const int D = g.shape(-1);
   const int64_t rows = D > 0 ? g.size() / D : 0;
   const int nd = g.ndim();
@@ -313,7 +315,7 @@ void swiglu_compute(const mx::array& g, const mx::array& x, mx::array& out) {
     const int64_t go = row_offset(g, r), xo = row_offset(x, r);
     const float* gr = row(g.data<float>() + go, g.strides()[nd - 1], D, gt);
     const float* xr = row(x.data<float>() + xo, x.strides()[nd - 1], D, xt);
-    swiglu_row(gr, xr, out.data<float>() + r * D, D);
+    swiglu_row(gr, xr, op + r * D, D);
   }
 }
 
@@ -325,7 +327,7 @@ class FlashserveSwiGLU : public mx::UnaryPrimitive {
     out.set_data(mx::allocator::malloc(out.nbytes()));
     dispatch(stream(), inputs, out,
              [in = weak(inputs), out = mx::array::unsafe_weak_copy(out)]() mutable {
-               swiglu_compute(in[0], in[1], out);
+               swiglu_compute(in[0], in[1], out.data<float>());
              });
   }
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
@@ -344,8 +346,32 @@ mx::array swiglu(const mx::array& gate, const mx::array& x) {
 
 }  // namespace
 
+namespace flashserve_step {
+
+Prologue prologue_of(const mx::array& x) {
+  if (!x.has_primitive()) return {};
+  if (const auto* norm = dynamic_cast<const FlashserveRMSNorm*>(&x.primitive())) {
+    return {PrologueKind::rms_norm, x.inputs(), norm->eps()};
+  }
+  if (dynamic_cast<const FlashserveSwiGLU*>(&x.primitive()) != nullptr) {
+    return {PrologueKind::swiglu, x.inputs(), 0.0f};
+  }
+  return {};
+}
+
+void run_prologue(PrologueKind kind, float eps, const std::vector<mx::array>& in, float* out) {
+  if (kind == PrologueKind::rms_norm) {
+    rms_norm_compute(in[0], in.size() > 1 ? &in[1] : nullptr, out, eps);
+  } else if (kind == PrologueKind::swiglu) {
+    swiglu_compute(in[0], in[1], out);
+  }
+}
+
+}  // namespace flashserve_step
+
 void add_step_ops(nb::module_& m) {
   add_sdpa(m);
+  add_cache_write(m);
   m.def("rms_norm", &rms_norm, "x"_a, "weight"_a, "eps"_a,
         "x * rsqrt(mean(x^2, -1) + eps) * weight as one op (float32); weight: [] or [w]");
   m.def("rope", &rope, "x"_a, "offset"_a, "freqs"_a, "dims"_a, "traditional"_a, "base"_a,

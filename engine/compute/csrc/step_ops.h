@@ -4,8 +4,39 @@
 
 #include <nanobind/nanobind.h>
 
-// Adds rms_norm, rope, sdpa, logsumexp and swiglu to the extension module.
+#include <vector>
+
+#include "mlx/array.h"
+
+// Adds rms_norm, rope, sdpa, cache_write, logsumexp and swiglu to the extension module.
 void add_step_ops(nanobind::module_& m);
 
 // Adds sdpa (step_sdpa.cpp).
 void add_sdpa(nanobind::module_& m);
+
+// Adds cache_write (step_cache.cpp).
+void add_cache_write(nanobind::module_& m);
+
+namespace flashserve_step {
+
+// A step op whose result feeds a quantized matmul (RMSNorm before q/k/v and
+// gate/up, SwiGLU before down) is computed by the matmul on its way in: one
+// graph node less each (graph_folds.h says why that matters), the same
+// numbers (the same function computes them). Were the result read elsewhere
+// too, its node stays for that reader. qmm_module.cpp asks what made its input.
+enum class PrologueKind : int { none = 0, rms_norm = 1, swiglu = 2 };
+
+struct Prologue {
+  PrologueKind kind = PrologueKind::none;
+  std::vector<mlx::core::array> inputs;  // the op's inputs
+  float eps = 0.0f;                      // RMSNorm's
+};
+
+// The step op that made x (an array not yet evaluated), or kind none.
+Prologue prologue_of(const mlx::core::array& x);
+
+// That op's result for `inputs` (evaluated), row-major into `out`.
+void run_prologue(PrologueKind kind, float eps, const std::vector<mlx::core::array>& inputs,
+                  float* out);
+
+}  // namespace flashserve_step
