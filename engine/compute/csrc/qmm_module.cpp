@@ -202,6 +202,9 @@ void gather_rows(const std::vector<const float*>& xr, const uint32_t* idx, int64
   }
 }
 
+// K: the values in a row of w.
+int inner_size(const mx::array& w, int bits) { return int(int64_t(w.shape(-1)) * 32 / bits); }
+
 // What a matmul op reads as x: the leading `count` inputs, either x itself
 // (or the array x views: graph_folds.h) or the inputs of the step op that
 // made x, which the op then computes first (step_ops.h: Prologue).
@@ -243,7 +246,7 @@ std::pair<std::vector<mx::array>, XInput> x_input(const mx::array& x) {
 // row against its expert's matrix in a stacked weight.
 void compute(const std::vector<const float*>& xr, const mx::array& w, const mx::array& scales,
              const mx::array& biases, const mx::array* index, mx::array& out, int gs, int bits) {
-  const int K = int(int64_t(w.shape(-1)) * 32 / bits);
+  const int K = inner_size(w, bits);
   const int N = w.shape(-2);
   const int64_t M = int64_t(xr.size());
   const int64_t experts = index ? w.shape(0) : 1;
@@ -269,8 +272,6 @@ void compute(const std::vector<const float*>& xr, const mx::array& w, const mx::
                 q.biases = wt.b + int64_t(e) * N * wt.s_stride * esize;
               });
 }
-
-int inner_size(const mx::array& w, int bits) { return int(int64_t(w.shape(-1)) * 32 / bits); }
 
 // Each row of x against its expert's matrix, the experts given as separate
 // arrays (experts[3e .. 3e + 2]: w, scales, biases of expert e): the expert
