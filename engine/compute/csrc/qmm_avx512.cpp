@@ -262,30 +262,46 @@ ColumnsFn avx512_columns(int bits, ScaleType st) {
 // zero-padded to whole chunks (the weights' tail lanes are masked to zero,
 // and 0 * 0 keeps the sum exact). 8 bits: the rows as they are. Both: the
 // sum of x over each group, zero-padded to whole vectors of 16.
-Prepared avx512_prepare(const QmmProblem& p, std::vector<float>& buf) {
+QMM512 Prepared avx512_prepare(const QmmProblem& p, std::vector<float>& buf) {
   const int64_t stride = p.bits == 4 ? (int64_t(p.K) + CHUNK4 - 1) / CHUNK4 * CHUNK4 : p.K;
   const int groups = p.K / p.group_size;
   const int64_t sum_stride = (groups + 15) / 16 * 16;
-  buf.assign(size_t(p.M) * (stride + sum_stride), 0.0f);
+  buf.resize(size_t(p.M) * (stride + sum_stride));
   float* xs = buf.data();
   float* sums = xs + int64_t(p.M) * stride;
+  // Lane d of vector j is value 8d + j of the chunk.
+  const __m512i by_lane = _mm512_setr_epi32(0, 8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104,
+                                            112, 120);
   for (int m = 0; m < p.M; ++m) {
     const float* src = p.x[m];
     float* dst = xs + int64_t(m) * stride;
     if (p.bits == 4) {
-      for (int k = 0; k < p.K; ++k) {
-        const int k0 = k / CHUNK4 * CHUNK4;
-        const int i = k - k0;
-        dst[k0 + 16 * (i % 8) + i / 8] = src[k];
+      for (int k0 = 0; k0 < p.K; k0 += CHUNK4) {
+        alignas(64) float tail[CHUNK4];
+        const float* chunk = src + k0;
+        if (p.K - k0 < CHUNK4) {  // the last, short chunk: zero-padded
+          std::memset(tail, 0, sizeof(tail));
+          std::memcpy(tail, chunk, sizeof(float) * (p.K - k0));
+          chunk = tail;
+        }
+        for (int j = 0; j < 8; ++j) {
+          const __m512i at = _mm512_add_epi32(by_lane, _mm512_set1_epi32(j));
+          _mm512_storeu_ps(dst + k0 + 16 * j, _mm512_i32gather_ps(at, chunk, 4));
+        }
       }
     } else {
       std::memcpy(dst, src, sizeof(float) * p.K);
     }
+    float* row_sums = sums + int64_t(m) * sum_stride;
     for (int g = 0; g < groups; ++g) {
-      float s = 0.0f;
-      for (int k = g * p.group_size; k < (g + 1) * p.group_size; ++k) s += src[k];
-      sums[int64_t(m) * sum_stride + g] = s;
+      // 16 lanes of partial sums, then the lanes in a fixed order.
+      __m512 acc = _mm512_setzero_ps();
+      for (int k = g * p.group_size; k < (g + 1) * p.group_size; k += 16) {
+        acc = _mm512_add_ps(acc, _mm512_loadu_ps(src + k));
+      }
+      row_sums[g] = _mm512_reduce_add_ps(acc);
     }
+    for (int g = groups; g < sum_stride; ++g) row_sums[g] = 0.0f;
   }
   return Prepared{xs, stride, sums, sum_stride};
 }

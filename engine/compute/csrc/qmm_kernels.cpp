@@ -410,40 +410,84 @@ void set_threads(int n) {
   g_pool = nullptr;
 }
 
-int threads() { return g_threads > 0 ? g_threads : cores(); }
+int threads() {
+  // Asked once: sched_getaffinity is a system call, and threads() is asked per matmul.
+  static const int n_cores = cores();
+  return g_threads > 0 ? g_threads : n_cores;
+}
 
 void set_avx512(bool allowed) { g_avx512_allowed.store(allowed); }
 
 bool avx512_active() { return g_avx512_allowed.load() && detail::avx512_supported(); }
 
-void qmm(const QmmProblem& p) {
-  if (p.M <= 0 || p.N <= 0) return;
-  ColumnsFn fn = avx512_active() ? detail::avx512_columns(p.bits, p.scale_type) : nullptr;
+namespace {
+
+bool shares_x(const QmmProblem& a, const QmmProblem& b) {
+  return a.x == b.x && a.M == b.M && a.K == b.K && a.bits == b.bits &&
+         a.group_size == b.group_size && a.scale_type == b.scale_type;
+}
+
+// Columns [begin, end) of one problem: a part of a spread call.
+struct Span {
+  const QmmProblem* p;
+  int begin;
+  int end;
+};
+
+// Problems that share x (shares_x): prepared once, then computed on this
+// thread, or spread over the pool in whole 4-column tiles, a few parts per
+// thread so that a late worker leaves little for the others to wait on.
+void run_shared(const QmmProblem* ps, int count) {
+  const QmmProblem& first = ps[0];
+  if (first.M <= 0) return;
+  ColumnsFn fn = avx512_active() ? detail::avx512_columns(first.bits, first.scale_type) : nullptr;
   thread_local std::vector<float> xbuf;
   Prepared x;
   if (fn != nullptr) {
-    x = detail::avx512_prepare(p, xbuf);
+    x = detail::avx512_prepare(first, xbuf);
   } else {
-    fn = pick(p.bits, p.scale_type);
+    fn = pick(first.bits, first.scale_type);
     if (fn == nullptr) return;
-    x = prepare_x(p, p.bits == 4, xbuf);
+    x = prepare_x(first, first.bits == 4, xbuf);
   }
 
   const int want = threads();
-  const int64_t work = int64_t(p.N) * p.K * p.M;
-  if (want > 1 && work >= PARALLEL_MIN_WORK && p.N >= 8 * want) {
-    // Parts of whole 4-column tiles, a few per thread so that a late worker
-    // leaves little for the others to wait on.
-    const int parts = std::max(1, std::min(4 * want, p.N / 16));
-    const int per = ((p.N + parts - 1) / parts + 3) / 4 * 4;
-    parallel_for(parts, [&](int part) {
-      const int begin = part * per;
-      const int end = std::min(p.N, begin + per);
-      if (begin < end) fn(p, x, begin, end);
+  int64_t columns = 0;
+  for (int i = 0; i < count; ++i) columns += std::max(0, ps[i].N);
+  const int64_t work = columns * first.K * first.M;
+  if (want > 1 && work >= PARALLEL_MIN_WORK && columns >= 8 * want) {
+    const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(4 * want, columns / 16));
+    const int per = int(((columns + parts - 1) / parts + 3) / 4 * 4);
+    thread_local std::vector<Span> spans;
+    spans.clear();
+    for (int i = 0; i < count; ++i) {
+      for (int n = 0; n < ps[i].N; n += per) {
+        spans.push_back({&ps[i], n, std::min(ps[i].N, n + per)});
+      }
+    }
+    const Span* all = spans.data();
+    parallel_for(int(spans.size()), [&](int part) {
+      fn(*all[part].p, x, all[part].begin, all[part].end);
     });
     return;
   }
-  fn(p, x, 0, p.N);
+  for (int i = 0; i < count; ++i) {
+    if (ps[i].N > 0) fn(ps[i], x, 0, ps[i].N);
+  }
+}
+
+}  // namespace
+
+void qmm(const QmmProblem& p) { run_shared(&p, 1); }
+
+void qmm_shared_x(const QmmProblem* problems, int count) {
+  for (int i = 1; i < count; ++i) {
+    if (!shares_x(problems[0], problems[i])) {
+      for (int j = 0; j < count; ++j) qmm(problems[j]);
+      return;
+    }
+  }
+  if (count > 0) run_shared(problems, count);
 }
 
 void parallel_for(int parts, const std::function<void(int)>& fn) {

@@ -52,6 +52,13 @@ bool avx512_active();
 // Computes the problem, spread over the pool's threads when it is large.
 void qmm(const QmmProblem& p);
 
+// Several problems on the same rows of x (same x, M, K, bits, group size and
+// scale type: an attention block's q, k and v, an MLP's gate and up). x is
+// prepared once and all their columns are spread over the threads together,
+// so a small one (k, v) is split too and the pool is woken once. Each column
+// is computed exactly as qmm() computes it. Other problems run one by one.
+void qmm_shared_x(const QmmProblem* problems, int count);
+
 // fn(0), ..., fn(parts - 1) on the kernel's threads, the caller's included
 // (alone when the pool is busy with another problem). Parts may run in any
 // order and on any thread: results must not depend on it.

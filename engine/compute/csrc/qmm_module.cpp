@@ -242,28 +242,28 @@ std::pair<std::vector<mx::array>, XInput> x_input(const mx::array& x) {
   return {{flashserve_fold::merged_heads_source(x).value_or(x)}, XInput{}};
 }
 
+// The problem out = x @ dequantize(w).T, x as rows; wt holds w's pointers.
+QmmProblem plain(const std::vector<const float*>& xr, const Weights& wt, const mx::array& w,
+                 const mx::array& scales, mx::array& out, int gs, int bits) {
+  QmmProblem p = problem(inner_size(w, bits), scales, w.shape(-2), gs, bits);
+  p.w_stride = wt.w_stride, p.s_stride = wt.s_stride;
+  p.x = xr.data(), p.M = int(xr.size());
+  p.w = wt.w;
+  p.scales = wt.s;
+  p.biases = wt.b;
+  p.out = out.data<float>();
+  return p;
+}
+
 // One problem: out = x @ dequantize(w).T (x as rows), or with `index` each
 // row against its expert's matrix in a stacked weight.
 void compute(const std::vector<const float*>& xr, const mx::array& w, const mx::array& scales,
              const mx::array& biases, const mx::array* index, mx::array& out, int gs, int bits) {
-  const int K = inner_size(w, bits);
   const int N = w.shape(-2);
-  const int64_t M = int64_t(xr.size());
   const int64_t experts = index ? w.shape(0) : 1;
   const Weights wt(w, scales, biases, experts * N);
-  QmmProblem p = problem(K, scales, N, gs, bits);
-  p.w_stride = wt.w_stride;
-  p.s_stride = wt.s_stride;
-  if (index == nullptr) {
-    p.x = xr.data();
-    p.M = int(M);
-    p.w = wt.w;
-    p.scales = wt.s;
-    p.biases = wt.b;
-    p.out = out.data<float>();
-    flashserve_qmm::qmm(p);
-    return;
-  }
+  const QmmProblem p = plain(xr, wt, w, scales, out, gs, bits);  // gathering re-points it
+  if (index == nullptr) return flashserve_qmm::qmm(p);
   const size_t esize = scales.itemsize();
   gather_rows(xr, index->data<uint32_t>(), experts, p, out.data<float>(),
               [&](uint32_t e, QmmProblem& q) {
@@ -396,8 +396,8 @@ class FlashserveGatherList : public mx::UnaryPrimitive {
 
 // Several weights that share one input (an attention block's q, k and v
 // projections; an MLP's gate and up): one op in the graph instead of one per
-// weight, with one output each. Each output is computed exactly as the single
-// op computes it, so fusing never changes a number.
+// weight, with one output each, computed together (qmm_shared_x) and each
+// exactly as the single op computes it, so fusing never changes a number.
 class FlashserveQMMMulti : public mx::Primitive {
  public:
   FlashserveQMMMulti(mx::Stream stream, std::vector<int> group_sizes, std::vector<int> bits,
@@ -425,10 +425,15 @@ class FlashserveQMMMulti : public mx::Primitive {
       const int n = xi.count;
       std::vector<char> keep;
       const auto xr = xi.rows(ins, inner_size(ins[n], bits[0]), keep);
+      std::vector<Weights> wts;  // reserved: ps points into their copies, if any
+      std::vector<QmmProblem> ps;
+      wts.reserve(outs.size());
       for (size_t i = 0; i < outs.size(); ++i) {
-        compute(xr, ins[n + 3 * i], ins[n + 1 + 3 * i], ins[n + 2 + 3 * i], nullptr, outs[i],
-                gs[i], bits[i]);
+        const auto &w = ins[n + 3 * i], &scales = ins[n + 1 + 3 * i];
+        wts.emplace_back(w, scales, ins[n + 2 + 3 * i], w.shape(-2));
+        ps.push_back(plain(xr, wts.back(), w, scales, outs[i], gs[i], bits[i]));
       }
+      flashserve_qmm::qmm_shared_x(ps.data(), int(ps.size()));
     });
   }
 
