@@ -65,13 +65,14 @@ def test_every_width_group_and_scale_dtype_matches_mlx(bits):
 
 @pytest.mark.parametrize("bits", [4, 8])
 def test_avx512_and_avx2_kernels_both_match_mlx(bits):
-    """4 and 8 bits have two kernels: K not a multiple of the AVX-512 chunk (128) included."""
+    """4 and 8 bits have two kernels: K not a multiple of the AVX-512 chunk (128) included,
+    its last chunk 32, 64 or 96 values."""
     if not qmm.set_avx512(True):
         pytest.skip("this CPU has no AVX-512")
     try:
         for avx512 in (True, False):
             assert qmm.set_avx512(avx512) == avx512
-            for k in (576, 320, 1536):
+            for k in (576, 320, 1536, 160, 224):
                 for group_size in (g for g in qmm.GROUP_SIZES if k % g == 0):
                     for dtype in (mx.float32, mx.float16, mx.bfloat16):
                         wq, scales, biases = weights(21, k, bits, group_size, dtype, seed=k)
@@ -159,16 +160,18 @@ def inputs() -> list[mx.array]:
     ]
 
 
-def test_a_row_gives_the_same_bits_alone_in_a_batch_and_on_any_thread_count():
-    wq, scales, biases = weights(1536, 576, 4, 32, mx.float16)
-    batch = mx.random.normal((8, 576), key=mx.random.key(4))
-    together = qmm.quantized_matmul(batch, wq, scales, biases, 32, 4)
+@pytest.mark.parametrize("bits, k", [(4, 576), (4, 160), (8, 576)])
+def test_a_row_gives_the_same_bits_alone_in_a_batch_and_on_any_thread_count(bits, k):
+    """One row and tiles of 2-4 rows take different code for a short last chunk (K = 576, 160)."""
+    wq, scales, biases = weights(1536, k, bits, 32, mx.float16)
+    batch = mx.random.normal((8, k), key=mx.random.key(4))
+    together = qmm.quantized_matmul(batch, wq, scales, biases, 32, bits)
     for row in range(8):
-        alone = qmm.quantized_matmul(batch[row : row + 1], wq, scales, biases, 32, 4)
+        alone = qmm.quantized_matmul(batch[row : row + 1], wq, scales, biases, 32, bits)
         assert mx.array_equal(alone[0], together[row]).item()
     try:
         qmm.set_threads(1)
-        single = qmm.quantized_matmul(batch, wq, scales, biases, 32, 4)
+        single = qmm.quantized_matmul(batch, wq, scales, biases, 32, bits)
     finally:
         qmm.set_threads(0)
     assert mx.array_equal(single, together).item()

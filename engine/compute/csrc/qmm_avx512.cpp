@@ -25,6 +25,12 @@
 // are as many as the FMAs). One model pass of matmuls on one core, before ->
 // after these: 4 rows 20.9 -> 16.9 ms, 1 row 8.5 -> 8.0 ms.
 //
+// Most of the model's matrices are 576 deep: 4.5 chunks, so what a tile does
+// besides its chunks weighed ~40% at 4 rows (perf). The call's shape is worked
+// out once (Shape), a last chunk of 64 values runs on 256-bit vectors, and a
+// tile's 8 sums are reduced as one tree (reduce8): a pass on two cores at 4
+// rows 9.1 -> 7.35 ms, 1 row unchanged (4.3 ms).
+//
 // A (row, column) pair is computed in the same order whatever the tile, the
 // number of rows or the thread count, as in the AVX2 kernel.
 #include <immintrin.h>
@@ -91,9 +97,8 @@ inline __mmask16 low_lanes(int n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask
 
 // tot[m][c] += sum_g bias[c][g] * xsum[m][g]: the factored-out bias term.
 template <int MR, int NC, ScaleType ST>
-QMM512 inline void add_bias_terms(const QmmProblem& p, const Prepared& x, int m0, int n0,
-                                  __m512 tot[MR][NC]) {
-  const int groups = p.K / p.group_size;
+QMM512 inline void add_bias_terms(const QmmProblem& p, const Prepared& x, int groups, int m0,
+                                  int n0, __m512 tot[MR][NC]) {
   for (int g = 0; g < groups; g += 16) {
     const __mmask16 mask = low_lanes(groups - g);
     for (int c = 0; c < NC; ++c) {
@@ -106,11 +111,42 @@ QMM512 inline void add_bias_terms(const QmmProblem& p, const Prepared& x, int m0
   }
 }
 
+// The sums of 8 vectors, sum i in lane i: a transposing tree that adds the
+// same pairs as _mm512_reduce_add_ps (lanes i and i + 8, then i and i + 4, i
+// and i + 2, i and i + 1), so every tile shape rounds a column's sum alike,
+// in 23 instructions instead of 8 x 11.
+QMM512 inline __m256 reduce8(const __m512 v[8]) {
+  __m512 h[4];  // h[k]: v[2k]'s 8 partial sums, then v[2k + 1]'s
+  for (int k = 0; k < 4; ++k) {
+    h[k] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0xEE));
+  }
+  __m512 q[2];  // q[i]: 128-bit block k holds v[4i + k]'s 4 partial sums
+  for (int i = 0; i < 2; ++i) {
+    q[i] = _mm512_add_ps(_mm512_shuffle_f32x4(h[2 * i], h[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(h[2 * i], h[2 * i + 1], 0xDD));
+  }
+  // Block k: v[k]'s 2 partial sums, then v[k + 4]'s.
+  const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(q[0]), _mm512_castps_pd(q[1]));
+  const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(q[0]), _mm512_castps_pd(q[1]));
+  const __m512 u = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
+  const __m512 r = _mm512_add_ps(u, _mm512_permute_ps(u, 0xB1));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 0, 0, 0, 0, 0, 0, 0, 0);
+  return _mm512_castps512_ps256(_mm512_permutexvar_ps(order, r));
+}
+
 template <int MR, int NC>
 QMM512 inline void store(const QmmProblem& p, int m0, int n0, __m512 tot[MR][NC]) {
-  for (int m = 0; m < MR; ++m) {
-    for (int c = 0; c < NC; ++c) {
-      p.out[int64_t(m0 + m) * p.out_stride + n0 + c] = _mm512_reduce_add_ps(tot[m][c]);
+  if constexpr (MR * NC == 1) {
+    p.out[int64_t(m0) * p.out_stride + n0] = _mm512_reduce_add_ps(tot[0][0]);
+  } else {
+    static_assert(MR * NC <= 8);
+    __m512 v[8];
+    for (int i = 0; i < 8; ++i) v[i] = i < MR * NC ? tot[i / NC][i % NC] : _mm512_setzero_ps();
+    alignas(32) float sums[8];
+    _mm256_store_ps(sums, reduce8(v));
+    for (int m = 0; m < MR; ++m) {
+      for (int c = 0; c < NC; ++c) p.out[int64_t(m0 + m) * p.out_stride + n0 + c] = sums[m * NC + c];
     }
   }
 }
@@ -149,15 +185,79 @@ QMM512 inline void chunk4(const uint8_t* const rows[NC], const float* const xr[M
   }
 }
 
-template <int MR, int NC, ScaleType ST>
-QMM512 void tile4(const QmmProblem& p, const Prepared& x, int m0, int n0) {
-  const __m512 lut = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const int groups = p.K / p.group_size;
-  const int per_chunk = CHUNK4 / p.group_size;
-  const int shift = p.group_size == 32 ? 2 : p.group_size == 64 ? 3 : 4;
-  const __m512i lane_group = _mm512_srl_epi32(
+// What every tile of one call shares, computed once per call (an integer
+// division per tile showed in the profile of the 576-deep matrices).
+struct Shape {
+  int groups;          // groups in a row
+  int full;            // whole 64-byte chunks in a row
+  int tail;            // values in the last, short chunk (0: none)
+  int per_chunk;       // groups in a whole chunk
+  __mmask16 smask;     // a whole chunk's scales
+  __mmask16 tail_w;    // the short chunk's words
+  __mmask16 tail_s;    // the short chunk's scales
+  int gshift;          // log2(group_size)
+  __m512i lane_group;  // lane -> group within a chunk
+};
+
+QMM512 inline Shape shape_of(const QmmProblem& p, int chunk, int per_word) {
+  Shape s;
+  s.gshift = p.group_size == 32 ? 5 : p.group_size == 64 ? 6 : 7;
+  s.groups = p.K >> s.gshift;
+  s.full = p.K / chunk;
+  s.tail = p.K - s.full * chunk;
+  s.per_chunk = std::max(1, chunk >> s.gshift);
+  s.smask = low_lanes(s.per_chunk);
+  s.tail_w = low_lanes(s.tail / per_word);
+  s.tail_s = low_lanes(std::max(1, s.tail >> s.gshift));
+  // Lane d holds values per_word * d ..: group per_word * d / group_size.
+  const int lane_shift = s.gshift - (per_word == 8 ? 3 : 2);
+  s.lane_group = _mm512_srl_epi32(
       _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-      _mm_cvtsi32_si128(shift));
+      _mm_cvtsi32_si128(lane_shift));
+  return s;
+}
+
+// A short last chunk of at most 64 values holds its weights in 8 lanes: the
+// same arithmetic as chunk4 on the low half of the vectors (the high lanes
+// would add 0 * 0), at half the FMAs. Bit for bit the masked chunk's result.
+// One row stays on the masked chunk: its FMAs are not what bounds it, and the
+// two-table lookup on 256 bits costs more than the 512-bit one.
+template <int MR, int NC, ScaleType ST>
+QMM512 inline void half_chunk4(const uint8_t* const rows[NC], const float* const xr[MR],
+                               const QmmProblem& p, const Shape& s, int n0, int k0, int g0,
+                               __m512 lut, __m512 tot[MR][NC]) {
+  const __m256 lut_lo = _mm512_castps512_ps256(lut);
+  const __m256 lut_hi = _mm512_extractf32x8_ps(lut, 1);
+  __m256i w[NC];
+  __m256 acc[MR][NC];
+  for (int c = 0; c < NC; ++c) {
+    w[c] = _mm256_maskz_loadu_epi32(__mmask8(s.tail_w), rows[c] + k0 / 2);
+  }
+#pragma GCC unroll 8
+  for (int j = 0; j < 8; ++j) {
+    for (int c = 0; c < NC; ++c) {
+      const __m256i idx = _mm256_srli_epi32(w[c], 4 * j);
+      const __m256 q = _mm256_permutex2var_ps(lut_lo, idx, lut_hi);
+      for (int m = 0; m < MR; ++m) {
+        const __m256 xv = _mm256_load_ps(xr[m] + k0 + 16 * j);
+        acc[m][c] = j == 0 ? _mm256_mul_ps(xv, q) : _mm256_fmadd_ps(xv, q, acc[m][c]);
+      }
+    }
+  }
+  for (int c = 0; c < NC; ++c) {
+    const __m256 sc = _mm512_castps512_ps256(_mm512_permutexvar_ps(
+        s.lane_group,
+        chunk_scales4<ST>(p.scales, int64_t(n0 + c) * p.s_stride + g0, __mmask8(s.tail_s))));
+    for (int m = 0; m < MR; ++m) {
+      const __m256 lo = _mm256_fmadd_ps(acc[m][c], sc, _mm512_castps512_ps256(tot[m][c]));
+      tot[m][c] = _mm512_insertf32x8(tot[m][c], lo, 0);
+    }
+  }
+}
+
+template <int MR, int NC, ScaleType ST>
+QMM512 void tile4(const QmmProblem& p, const Prepared& x, const Shape& s, int m0, int n0) {
+  const __m512 lut = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const uint8_t* rows[NC];
   for (int c = 0; c < NC; ++c) {
     rows[c] = reinterpret_cast<const uint8_t*>(p.w + int64_t(n0 + c) * p.w_stride);
@@ -168,18 +268,17 @@ QMM512 void tile4(const QmmProblem& p, const Prepared& x, int m0, int n0) {
   for (int m = 0; m < MR; ++m) {
     for (int c = 0; c < NC; ++c) tot[m][c] = _mm512_setzero_ps();
   }
-  const int full = p.K / CHUNK4;
-  const __mmask16 smask_full = low_lanes(per_chunk);
   int k0 = 0, g0 = 0;
-  for (int i = 0; i < full; ++i, k0 += CHUNK4, g0 += per_chunk) {
-    chunk4<MR, NC, ST, false>(rows, xr, p, n0, k0, g0, 0xFFFF, smask_full,
-                              lane_group, lut, tot);
+  for (int i = 0; i < s.full; ++i, k0 += CHUNK4, g0 += s.per_chunk) {
+    chunk4<MR, NC, ST, false>(rows, xr, p, n0, k0, g0, 0xFFFF, s.smask, s.lane_group, lut, tot);
   }
-  if (k0 < p.K) {  // the last, short chunk
-    chunk4<MR, NC, ST, true>(rows, xr, p, n0, k0, g0, low_lanes((p.K - k0) / 8),
-                             low_lanes(std::min(per_chunk, groups - g0)), lane_group, lut, tot);
+  if (s.tail > CHUNK4 / 2 || (MR == 1 && s.tail > 0)) {
+    chunk4<MR, NC, ST, true>(rows, xr, p, n0, k0, g0, s.tail_w, s.tail_s, s.lane_group, lut,
+                             tot);
+  } else if (s.tail > 0) {
+    half_chunk4<MR, NC, ST>(rows, xr, p, s, n0, k0, g0, lut, tot);
   }
-  add_bias_terms<MR, NC, ST>(p, x, m0, n0, tot);
+  add_bias_terms<MR, NC, ST>(p, x, s.groups, m0, n0, tot);
   store<MR, NC>(p, m0, n0, tot);
 }
 
@@ -229,12 +328,7 @@ QMM512 inline void chunk8(const uint8_t* const rows[NC], const float* const xr[M
 }
 
 template <int MR, int NC, ScaleType ST>
-QMM512 void tile8(const QmmProblem& p, const Prepared& x, int m0, int n0) {
-  // Lane d holds values 4d..4d+3 of the chunk: group 4d / group_size in it.
-  const int shift = p.group_size == 32 ? 3 : p.group_size == 64 ? 4 : 5;
-  const __m512i lane_group = _mm512_srl_epi32(
-      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-      _mm_cvtsi32_si128(shift));
+QMM512 void tile8(const QmmProblem& p, const Prepared& x, const Shape& s, int m0, int n0) {
   const uint8_t* rows[NC];
   for (int c = 0; c < NC; ++c) {
     rows[c] = reinterpret_cast<const uint8_t*>(p.w + int64_t(n0 + c) * p.w_stride);
@@ -245,28 +339,25 @@ QMM512 void tile8(const QmmProblem& p, const Prepared& x, int m0, int n0) {
   for (int m = 0; m < MR; ++m) {
     for (int c = 0; c < NC; ++c) tot[m][c] = _mm512_setzero_ps();
   }
-  const int full = p.K / CHUNK8;
-  const int gshift = p.group_size == 32 ? 5 : p.group_size == 64 ? 6 : 7;
-  const __mmask16 smask = low_lanes(std::max(1, CHUNK8 / p.group_size));
   int k0 = 0;
-  for (int i = 0; i < full; ++i, k0 += CHUNK8) {
-    chunk8<MR, NC, ST, false>(rows, xr, p, n0, k0, k0 >> gshift, 0xFFFF, smask, lane_group,
-                              tot);
+  for (int i = 0; i < s.full; ++i, k0 += CHUNK8) {
+    chunk8<MR, NC, ST, false>(rows, xr, p, n0, k0, k0 >> s.gshift, 0xFFFF, s.smask,
+                              s.lane_group, tot);
   }
-  if (k0 < p.K) {  // half a chunk: K is a multiple of 32
-    chunk8<MR, NC, ST, true>(rows, xr, p, n0, k0, k0 >> gshift, low_lanes((p.K - k0) / 4),
-                             1, lane_group, tot);
+  if (s.tail > 0) {  // half a chunk: K is a multiple of 32
+    chunk8<MR, NC, ST, true>(rows, xr, p, n0, k0, k0 >> s.gshift, s.tail_w, 1, s.lane_group,
+                             tot);
   }
-  add_bias_terms<MR, NC, ST>(p, x, m0, n0, tot);
+  add_bias_terms<MR, NC, ST>(p, x, s.groups, m0, n0, tot);
   store<MR, NC>(p, m0, n0, tot);
 }
 
 template <int BITS, int MR, int NC, ScaleType ST>
-QMM512 inline void tile(const QmmProblem& p, const Prepared& x, int m0, int n0) {
+QMM512 inline void tile(const QmmProblem& p, const Prepared& x, const Shape& s, int m0, int n0) {
   if constexpr (BITS == 4) {
-    tile4<MR, NC, ST>(p, x, m0, n0);
+    tile4<MR, NC, ST>(p, x, s, m0, n0);
   } else {
-    tile8<MR, NC, ST>(p, x, m0, n0);
+    tile8<MR, NC, ST>(p, x, s, m0, n0);
   }
 }
 
@@ -276,6 +367,7 @@ template <int BITS, ScaleType ST>
 QMM512 void columns(const QmmProblem& p, const Prepared& x, int n_begin, int n_end) {
   const int64_t row_bytes = int64_t(p.K) * BITS / 8;
   const int block = int(std::max<int64_t>(8, (48 * 1024) / std::max<int64_t>(1, row_bytes)));
+  const Shape s = BITS == 4 ? shape_of(p, CHUNK4, 8) : shape_of(p, CHUNK8, 4);
   for (int nb = n_begin; nb < n_end; nb += block) {
     const int ne = std::min(n_end, nb + block);
     for (int m0 = 0; m0 < p.M;) {
@@ -283,20 +375,20 @@ QMM512 void columns(const QmmProblem& p, const Prepared& x, int n_begin, int n_e
       int n = nb;
       switch (mr) {
         case 1:
-          for (; n + 4 <= ne; n += 4) tile<BITS, 1, 4, ST>(p, x, m0, n);
-          for (; n < ne; ++n) tile<BITS, 1, 1, ST>(p, x, m0, n);
+          for (; n + 4 <= ne; n += 4) tile<BITS, 1, 4, ST>(p, x, s, m0, n);
+          for (; n < ne; ++n) tile<BITS, 1, 1, ST>(p, x, s, m0, n);
           break;
         case 2:
-          for (; n + 4 <= ne; n += 4) tile<BITS, 2, 4, ST>(p, x, m0, n);
-          for (; n < ne; ++n) tile<BITS, 2, 1, ST>(p, x, m0, n);
+          for (; n + 4 <= ne; n += 4) tile<BITS, 2, 4, ST>(p, x, s, m0, n);
+          for (; n < ne; ++n) tile<BITS, 2, 1, ST>(p, x, s, m0, n);
           break;
         case 3:
-          for (; n + 2 <= ne; n += 2) tile<BITS, 3, 2, ST>(p, x, m0, n);
-          for (; n < ne; ++n) tile<BITS, 3, 1, ST>(p, x, m0, n);
+          for (; n + 2 <= ne; n += 2) tile<BITS, 3, 2, ST>(p, x, s, m0, n);
+          for (; n < ne; ++n) tile<BITS, 3, 1, ST>(p, x, s, m0, n);
           break;
         default:
-          for (; n + 2 <= ne; n += 2) tile<BITS, 4, 2, ST>(p, x, m0, n);
-          for (; n < ne; ++n) tile<BITS, 4, 1, ST>(p, x, m0, n);
+          for (; n + 2 <= ne; n += 2) tile<BITS, 4, 2, ST>(p, x, s, m0, n);
+          for (; n < ne; ++n) tile<BITS, 4, 1, ST>(p, x, s, m0, n);
           break;
       }
       m0 += mr;
@@ -343,40 +435,25 @@ QMM512 Prepared avx512_prepare(const QmmProblem& p, std::vector<float>& buf) {
   const uintptr_t start = reinterpret_cast<uintptr_t>(buf.data());
   float* xs = reinterpret_cast<float*>((start + 63) & ~uintptr_t(63));
   float* sums = xs + int64_t(p.M) * stride;
-  // Lane d of vector j is value 8d + j of the chunk.
-  const __m512i by_lane = _mm512_setr_epi32(0, 8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104,
-                                            112, 120);
-  const __m512i by_word = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56, 60);
+  // Lane d of vector j is value per_word * d + j of the chunk.
+  const int per_word = 32 / p.bits;
+  const __m512i by_lane = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+      _mm512_set1_epi32(per_word));
   for (int m = 0; m < p.M; ++m) {
     const float* src = p.x[m];
     float* dst = xs + int64_t(m) * stride;
-    if (p.bits == 4) {
-      for (int k0 = 0; k0 < p.K; k0 += CHUNK4) {
-        alignas(64) float tail[CHUNK4];
-        const float* chunk = src + k0;
-        if (p.K - k0 < CHUNK4) {  // the last, short chunk: zero-padded
-          std::memset(tail, 0, sizeof(tail));
-          std::memcpy(tail, chunk, sizeof(float) * (p.K - k0));
-          chunk = tail;
-        }
-        for (int j = 0; j < 8; ++j) {
-          const __m512i at = _mm512_add_epi32(by_lane, _mm512_set1_epi32(j));
-          _mm512_storeu_ps(dst + k0 + 16 * j, _mm512_i32gather_ps(at, chunk, 4));
-        }
+    for (int k0 = 0; k0 < p.K; k0 += chunk) {
+      alignas(64) float tail[CHUNK4];
+      const float* values = src + k0;
+      if (p.K - k0 < chunk) {  // the last, short chunk: zero-padded
+        std::memset(tail, 0, sizeof(tail));
+        std::memcpy(tail, values, sizeof(float) * (p.K - k0));
+        values = tail;
       }
-    } else {
-      for (int k0 = 0; k0 < p.K; k0 += CHUNK8) {
-        alignas(64) float tail[CHUNK8];
-        const float* chunk = src + k0;
-        if (p.K - k0 < CHUNK8) {
-          std::memset(tail, 0, sizeof(tail));
-          std::memcpy(tail, chunk, sizeof(float) * (p.K - k0));
-          chunk = tail;
-        }
-        for (int j = 0; j < 4; ++j) {
-          const __m512i at = _mm512_add_epi32(by_word, _mm512_set1_epi32(j));
-          _mm512_storeu_ps(dst + k0 + 16 * j, _mm512_i32gather_ps(at, chunk, 4));
-        }
+      for (int j = 0; j < per_word; ++j) {
+        const __m512i at = _mm512_add_epi32(by_lane, _mm512_set1_epi32(j));
+        _mm512_store_ps(dst + k0 + 16 * j, _mm512_i32gather_ps(at, values, 4));
       }
     }
     float* row_sums = sums + int64_t(m) * sum_stride;
