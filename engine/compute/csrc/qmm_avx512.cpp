@@ -151,6 +151,17 @@ QMM512 inline void store(const QmmProblem& p, int m0, int n0, __m512 tot[MR][NC]
   }
 }
 
+// tot += acc * the chunk's scales, each lane its group's.
+template <int MR, int NC, ScaleType ST>
+QMM512 inline void rescale(const QmmProblem& p, int n0, int g0, __mmask16 smask,
+                           __m512i lane_group, __m512 acc[MR][NC], __m512 tot[MR][NC]) {
+  for (int c = 0; c < NC; ++c) {
+    const __m512 s = _mm512_permutexvar_ps(
+        lane_group, chunk_scales4<ST>(p.scales, int64_t(n0 + c) * p.s_stride + g0, __mmask8(smask)));
+    for (int m = 0; m < MR; ++m) tot[m][c] = _mm512_fmadd_ps(acc[m][c], s, tot[m][c]);
+  }
+}
+
 // MR rows against NC columns, 4 bits: 128 values (one 64-byte load) per chunk; full
 // chunks load unmasked, the last, short one masked.
 template <int MR, int NC, ScaleType ST, bool MASKED>
@@ -178,11 +189,7 @@ QMM512 inline void chunk4(const uint8_t* const rows[NC], const float* const xr[M
       }
     }
   }
-  for (int c = 0; c < NC; ++c) {
-    const __m512 s = _mm512_permutexvar_ps(
-        lane_group, chunk_scales4<ST>(p.scales, int64_t(n0 + c) * p.s_stride + g0, __mmask8(smask)));
-    for (int m = 0; m < MR; ++m) tot[m][c] = _mm512_fmadd_ps(acc[m][c], s, tot[m][c]);
-  }
+  rescale<MR, NC, ST>(p, n0, g0, smask, lane_group, acc, tot);
 }
 
 // What every tile of one call shares, computed once per call (an integer
@@ -320,11 +327,7 @@ QMM512 inline void chunk8(const uint8_t* const rows[NC], const float* const xr[M
       }
     }
   }
-  for (int c = 0; c < NC; ++c) {
-    const __m512 s = _mm512_permutexvar_ps(
-        lane_group, chunk_scales4<ST>(p.scales, int64_t(n0 + c) * p.s_stride + g0, __mmask8(smask)));
-    for (int m = 0; m < MR; ++m) tot[m][c] = _mm512_fmadd_ps(acc[m][c], s, tot[m][c]);
-  }
+  rescale<MR, NC, ST>(p, n0, g0, smask, lane_group, acc, tot);
 }
 
 template <int MR, int NC, ScaleType ST>
@@ -345,8 +348,8 @@ QMM512 void tile8(const QmmProblem& p, const Prepared& x, const Shape& s, int m0
                               s.lane_group, tot);
   }
   if (s.tail > 0) {  // half a chunk: K is a multiple of 32
-    chunk8<MR, NC, ST, true>(rows, xr, p, n0, k0, k0 >> s.gshift, s.tail_w, 1, s.lane_group,
-                             tot);
+    chunk8<MR, NC, ST, true>(rows, xr, p, n0, k0, k0 >> s.gshift, s.tail_w, s.tail_s,
+                             s.lane_group, tot);
   }
   add_bias_terms<MR, NC, ST>(p, x, s.groups, m0, n0, tot);
   store<MR, NC>(p, m0, n0, tot);
