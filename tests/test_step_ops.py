@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import mlx.core as mx
@@ -112,6 +113,17 @@ def test_attention_matches_mlx_with_every_mask_kind(lq):
             assert relative_error(got, want) < TOLERANCE, (lk, mask)
 
 
+def on_one_thread(compute: Callable[[], mx.array]) -> mx.array:
+    """`compute()` evaluated with the kernel's pool off: every part on the calling thread."""
+    qmm.set_threads(1)
+    try:
+        out = compute()
+        mx.eval(out)
+    finally:
+        qmm.set_threads(0)
+    return out
+
+
 @pytest.mark.parametrize(("lq", "dim"), [(1, 32), (4, 64), (1, 128), (2, 72)])
 def test_long_context_attention_in_key_chunks_matches_mlx_on_any_thread_count(lq, dim):
     """Past 256 keys attention runs in key chunks, spread over the kernel's threads.
@@ -128,17 +140,25 @@ def test_long_context_attention_in_key_chunks_matches_mlx_on_any_thread_count(lq
         want = mlx_op("scaled_dot_product_attention")(q, k, v, scale=0.2, mask=mask)
         got = sdpa(q, k, v, scale=0.2, mask=mask)
         assert relative_error(got, want) < TOLERANCE, mask
-        qmm.set_threads(1)
-        try:
-            alone = sdpa(q, k, v, scale=0.2, mask=mask)
-            mx.eval(alone)
-        finally:
-            qmm.set_threads(0)
+        alone = on_one_thread(lambda mask=mask: sdpa(q, k, v, scale=0.2, mask=mask))
         assert mx.array_equal(alone, got).item()
         # A sequence's rows are the same alone as in the batch.
         own = mask[1:] if isinstance(mask, mx.array) and mask.shape[0] == 2 else mask
         one = sdpa(q[1:], k[1:], v[1:], scale=0.2, mask=own)
         assert mx.array_equal(one, got[1:]).item()
+
+
+def test_a_decode_batch_at_a_short_context_is_spread_over_threads_to_the_bit():
+    """Four sequences of 40 keys (480 key rows) go to the pool: same bits as one thread."""
+    q = normal((4, 9, 1, 64), 5)
+    k, v = normal((4, 3, 64, 64), 6), normal((4, 3, 64, 64), 7)
+    keep = mx.arange(64)[None, None, None, :] < mx.array([40, 40, 31, 12]).reshape(4, 1, 1, 1)
+    sdpa = mx.fast.scaled_dot_product_attention
+    spread = sdpa(q, k, v, scale=0.125, mask=keep)
+    alone = on_one_thread(lambda: sdpa(q, k, v, scale=0.125, mask=keep))
+    assert mx.array_equal(alone, spread).item()
+    want = mlx_op("scaled_dot_product_attention")(q, k, v, scale=0.125, mask=keep)
+    assert relative_error(spread, want) < TOLERANCE
 
 
 @pytest.mark.parametrize("lk", [300, 1100])
