@@ -53,6 +53,26 @@ namespace {
 
 // ---------------------------------------------------------------- RMSNorm
 
+// x . x in 16 lanes, then the lanes in a fixed order: one sum at a time
+// (the order a plain loop must keep) is a chain of 576 dependent adds, ~2.6
+// us a row and ~1% of a four-stream step, on the thread the pool waits on.
+__attribute__((target("avx2,fma"))) float sum_of_squares(const float* x, int n) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  int i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256 v0 = _mm256_loadu_ps(x + i), v1 = _mm256_loadu_ps(x + i + 8);
+    a0 = _mm256_fmadd_ps(v0, v0, a0);
+    a1 = _mm256_fmadd_ps(v1, v1, a1);
+  }
+  alignas(32) float lanes[16];
+  _mm256_store_ps(lanes, a0);
+  _mm256_store_ps(lanes + 8, a1);
+  float sum = 0.0f;
+  for (float lane : lanes) sum += lane;
+  for (; i < n; ++i) sum += x[i] * x[i];
+  return sum;
+}
+
 void rms_norm_compute(const mx::array& x, const mx::array* w, float* op, float eps) {
   const int D = x.shape(-1);
   const int64_t rows = x.size() / D;
@@ -62,9 +82,7 @@ void rms_norm_compute(const mx::array& x, const mx::array* w, float* op, float e
   const float* wr = w ? row(w->data<float>(), w->strides()[0], D, wt) : nullptr;
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = row(xp + row_offset(x, r), x.strides()[nd - 1], D, xt);
-    float sum = 0.0f;
-    for (int i = 0; i < D; ++i) sum += xr[i] * xr[i];
-    const float n = 1.0f / std::sqrt(sum / float(D) + eps);
+    const float n = 1.0f / std::sqrt(sum_of_squares(xr, D) / float(D) + eps);
     float* o = op + r * D;
     if (wr) {
       for (int i = 0; i < D; ++i) o[i] = (xr[i] * n) * wr[i];
