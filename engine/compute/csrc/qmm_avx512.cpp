@@ -151,6 +151,20 @@ QMM512 inline void store(const QmmProblem& p, int m0, int n0, __m512 tot[MR][NC]
   }
 }
 
+// A tile's weight rows (one per column), its rows of prepared x, and its sums at zero.
+template <int MR, int NC>
+QMM512 inline void start_tile(const QmmProblem& p, const Prepared& x, int m0, int n0,
+                              const uint8_t* rows[NC], const float* xr[MR],
+                              __m512 tot[MR][NC]) {
+  for (int c = 0; c < NC; ++c) {
+    rows[c] = reinterpret_cast<const uint8_t*>(p.w + int64_t(n0 + c) * p.w_stride);
+  }
+  for (int m = 0; m < MR; ++m) {
+    xr[m] = x.xs + int64_t(m0 + m) * x.x_stride;
+    for (int c = 0; c < NC; ++c) tot[m][c] = _mm512_setzero_ps();
+  }
+}
+
 // tot += acc * the chunk's scales, each lane its group's.
 template <int MR, int NC, ScaleType ST>
 QMM512 inline void rescale(const QmmProblem& p, int n0, int g0, __mmask16 smask,
@@ -266,15 +280,9 @@ template <int MR, int NC, ScaleType ST>
 QMM512 void tile4(const QmmProblem& p, const Prepared& x, const Shape& s, int m0, int n0) {
   const __m512 lut = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const uint8_t* rows[NC];
-  for (int c = 0; c < NC; ++c) {
-    rows[c] = reinterpret_cast<const uint8_t*>(p.w + int64_t(n0 + c) * p.w_stride);
-  }
   const float* xr[MR];
-  for (int m = 0; m < MR; ++m) xr[m] = x.xs + int64_t(m0 + m) * x.x_stride;
   __m512 tot[MR][NC];
-  for (int m = 0; m < MR; ++m) {
-    for (int c = 0; c < NC; ++c) tot[m][c] = _mm512_setzero_ps();
-  }
+  start_tile<MR, NC>(p, x, m0, n0, rows, xr, tot);
   int k0 = 0, g0 = 0;
   for (int i = 0; i < s.full; ++i, k0 += CHUNK4, g0 += s.per_chunk) {
     chunk4<MR, NC, ST, false>(rows, xr, p, n0, k0, g0, 0xFFFF, s.smask, s.lane_group, lut, tot);
@@ -333,15 +341,9 @@ QMM512 inline void chunk8(const uint8_t* const rows[NC], const float* const xr[M
 template <int MR, int NC, ScaleType ST>
 QMM512 void tile8(const QmmProblem& p, const Prepared& x, const Shape& s, int m0, int n0) {
   const uint8_t* rows[NC];
-  for (int c = 0; c < NC; ++c) {
-    rows[c] = reinterpret_cast<const uint8_t*>(p.w + int64_t(n0 + c) * p.w_stride);
-  }
   const float* xr[MR];
-  for (int m = 0; m < MR; ++m) xr[m] = x.xs + int64_t(m0 + m) * x.x_stride;
   __m512 tot[MR][NC];
-  for (int m = 0; m < MR; ++m) {
-    for (int c = 0; c < NC; ++c) tot[m][c] = _mm512_setzero_ps();
-  }
+  start_tile<MR, NC>(p, x, m0, n0, rows, xr, tot);
   int k0 = 0;
   for (int i = 0; i < s.full; ++i, k0 += CHUNK8) {
     chunk8<MR, NC, ST, false>(rows, xr, p, n0, k0, k0 >> s.gshift, 0xFFFF, s.smask,
