@@ -9,12 +9,14 @@ the client goes away, and the SSE wrapper of a streamed response.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from fastapi import Request
 
@@ -31,6 +33,8 @@ from flashserve.server.http.errors import SERVER_ERROR, APIError, invalid_reques
 from flashserve.server.http.lifecycle import RequestTracker
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 def new_id(prefix: str) -> str:
@@ -69,12 +73,16 @@ def completion_budget(
         return requested
     remaining = context_length - prompt_tokens
     if remaining < 1:
-        raise invalid_request(
+        raise APIError(
+            400,
             f"This model's maximum context length is {context_length} tokens. However, the "
             f"prompt is {prompt_tokens} tokens, which leaves no room for a completion. Reduce "
             f"the length of the prompt.",
-            prompt_param,
-            "context_length_exceeded",
+            param=prompt_param,
+            code="context_length_exceeded",
+            # Claude Code compacts the conversation only on Anthropic's own words.
+            anthropic_message=f"prompt is too long: {prompt_tokens} tokens > "
+            f"{context_length - 1} maximum",
         )
     return min(default_max_tokens if requested is None else requested, remaining)
 
@@ -177,6 +185,44 @@ async def cancel_on_disconnect(request: Request, generation: Generation) -> Asyn
     finally:
         watcher.cancel()
         generation.cancel()  # no-op after a normal finish; stops the worker otherwise
+
+
+async def with_keepalive(source: AsyncIterator[T], interval: float) -> AsyncIterator[T | None]:
+    """`source`'s items, and None whenever `interval` seconds pass without one.
+
+    A dialect's stream turns each None into its own keepalive event. A long
+    prefill sends nothing for minutes, and clients' idle timers (Codex's
+    stream_idle_timeout_ms, proxies) count only events: SSE comments, which
+    sse-starlette sends, do not reset them. `interval` <= 0: no Nones.
+    """
+    if interval <= 0:
+        async for item in source:
+            yield item
+        return
+    items = aiter(source)
+    pending: asyncio.Future[T] | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(anext(items))
+            done, _ = await asyncio.wait({pending}, timeout=interval)
+            if not done:
+                yield None
+                continue
+            finished, pending = pending, None
+            try:
+                item = finished.result()
+            except StopAsyncIteration:
+                return
+            yield item
+    finally:
+        if pending is not None:
+            pending.cancel()
+            with contextlib.suppress(BaseException):
+                await pending
+        close = getattr(items, "aclose", None)
+        if close is not None:
+            await close()
 
 
 async def sse_events(

@@ -144,6 +144,12 @@ class Settings(BaseSettings):
     allowed_origins: Annotated[list[str], NoDecode] = Field(default_factory=list)
     max_body_bytes: int = Field(4_000_000, ge=1024)
     request_timeout: float = Field(600.0, gt=0, description="seconds per request")
+    stream_keepalive: float = Field(
+        5.0,
+        ge=0,
+        description="seconds without output after which a stream sends its dialect's "
+        "keepalive event (a long prefill); 0 sends none",
+    )
     shutdown_grace: float = Field(10.0, ge=0, description="seconds SIGTERM waits for generations")
     log_prompts: bool = False
     allowed_hosts: Annotated[list[str], NoDecode] = Field(

@@ -25,6 +25,7 @@ BEYOND_SCHEMA: list[tuple[str, str]] = [
     # prompt + max_tokens against the model's context: a sum over two fields.
     (r"max_tokens|max_completion_tokens|messages|prompt", r"maximum context length"),
     (r"max_output_tokens|input", r"maximum context length"),  # the same, in Responses
+    (r"prompt", r"^prompt is too long: \d+ tokens > \d+ maximum$"),  # Anthropic's words
     # Token ids against the model's vocabulary size (the schema says: digits, >= 0).
     (r"logit_bias|prompt", r"outside the vocabulary"),
     # A named or required tool_choice against the request's own tools.

@@ -469,7 +469,7 @@ def test_invalid_requests_are_anthropic_errors(server: Server) -> None:
         sdk.post("/v1/messages", body={"model": server.model_id, "messages": ASK}, cast_to=object)
     assert_anthropic_error(missing.value, "invalid_request_error", "'max_tokens' is required")
     with pytest.raises(anthropic.BadRequestError) as role:
-        ask(server, messages=[{"role": "system", "content": "hi"}])
+        ask(server, messages=[{"role": "developer", "content": "hi"}])
     assert_anthropic_error(role.value, "invalid_request_error", "messages.0.role")
     with pytest.raises(anthropic.NotFoundError) as model:
         sdk.messages.create(model="claude-opus-4", max_tokens=5, messages=ASK)

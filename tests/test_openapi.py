@@ -113,13 +113,14 @@ def test_every_status_with_its_error_object_and_no_422(document: dict[str, Any])
                 assert "422" not in operation["responses"], path
                 assert "413" in operation["responses"], path
         assert "HTTPValidationError" not in doc["components"]["schemas"]
-    # The key: both headers as security schemes, on every route but /health.
+    # The key: both headers as security schemes, on every route but / and /health.
     assert set(document["components"]["securitySchemes"]) == {"bearer", "x-api-key"}
     assert "securitySchemes" not in keyless["components"]
     for path, operations in document["paths"].items():
         for operation in operations.values():
-            assert ("security" in operation) == (path != "/health"), path
-            assert ("401" in operation["responses"]) == (path != "/health"), path
+            keyed = path not in ("/", "/health")
+            assert ("security" in operation) == keyed, path
+            assert ("401" in operation["responses"]) == keyed, path
 
 
 def test_streams_declare_server_sent_events(document: dict[str, Any]) -> None:

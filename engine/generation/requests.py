@@ -8,10 +8,12 @@ read stats.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import mlx.core as mx
 
@@ -151,6 +153,11 @@ class RequestHandle:
         self._queue: asyncio.Queue[Event] = asyncio.Queue()
         self.cancelled = False  # read by the worker between tokens
         self.started = False  # set by the worker when it takes the request
+        # Prompt tokens the prompt cache gave, once the worker has looked the prompt
+        # up (None before): a dialect that reports usage up front waits for it.
+        self.cached_tokens: int | None = None
+        self._admitted = asyncio.Event()
+        self._admit_sent = False  # worker side: whether _admitted is on its way
         self._on_release = on_release
         self._release_lock = threading.Lock()
         # Choices still running, counted by the worker thread (a request ends with
@@ -170,6 +177,31 @@ class RequestHandle:
             # A waiting request frees its slot now, not when the worker reaches it.
             self.release()
 
+    def admit(self, cached_tokens: int) -> None:
+        """Called from the worker thread once the prompt is looked up in the prompt cache."""
+        self._admit_sent = True
+        self._call_soon(self._set_admitted, cached_tokens)
+
+    def _set_admitted(self, cached_tokens: int | None) -> None:
+        if self.cached_tokens is None:
+            self.cached_tokens = cached_tokens
+        self._admitted.set()
+
+    async def wait_admitted(self, timeout: float | None) -> int | None:
+        """The prompt tokens the prompt cache gave, or None when the worker has not
+        looked the prompt up within `timeout` seconds (None: no limit), or the
+        request ended first."""
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._admitted.wait(), timeout)
+        return self.cached_tokens
+
+    def _call_soon(self, callback: Callable[..., None], *args: Any) -> None:
+        try:
+            self._loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:
+            # The loop is closed (server shutting down): nobody is listening.
+            self.cancelled = True
+
     def push(self, event: Event) -> None:
         """Called from the worker thread."""
         if isinstance(event, DoneEvent):
@@ -178,11 +210,10 @@ class RequestHandle:
             isinstance(event, DoneEvent) and self._open_choices <= 0
         ):
             self.release()
-        try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
-        except RuntimeError:
-            # The loop is closed (server shutting down): nobody is listening.
-            self.cancelled = True
+        self._call_soon(self._queue.put_nowait, event)
+        if not self._admit_sent:  # a request that ended unadmitted: nobody waits on
+            self._admit_sent = True
+            self._call_soon(self._set_admitted, None)
 
     async def events(self) -> AsyncIterator[Event]:
         open_choices = self.request.n

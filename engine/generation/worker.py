@@ -24,7 +24,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from flashserve.engine.compute import blas
 from flashserve.engine.config import EngineConfig
 from flashserve.engine.distributed.mirror import Mirror, load_model
-from flashserve.engine.generation import decode_step
+from flashserve.engine.generation import decode_step, prompt_states
 from flashserve.engine.generation.choices import Choice, Start, keep_first_space
 from flashserve.engine.generation.prefill import (
     LayerMajorPrefill,
@@ -223,6 +223,9 @@ class Engine:
         batch = self._new_batch()
         active: dict[int, Choice] = {}
         while True:
+            # Cancelled requests leave first: a retry admitted next then finds
+            # what they prefilled (_drop_cancelled stores it).
+            self._drop_cancelled(batch, active)
             if not self._admit(batch, active, block=not active):
                 break
             try:
@@ -236,16 +239,28 @@ class Engine:
         for uid in list(active):
             self._finish(active, uid, "cancelled")
 
-    def _step(self, batch: BatchGenerator, active: dict[int, Choice]) -> None:
-        for uid in [u for u, a in active.items() if a.handle.cancelled]:
+    def _drop_cancelled(self, batch: BatchGenerator, active: dict[int, Choice]) -> None:
+        """Remove cancelled choices from the batch. A prompt cancelled part way through
+        its prefill keeps what was prefilled in the prompt cache: a client that gave
+        up on a long prefill (an idle timeout) and retries resumes from there."""
+        cancelled = [u for u, a in active.items() if a.handle.cancelled]
+        if not cancelled:
+            return
+        if self.prompt_cache is not None:
+            prompt_states.store_cancelled_prefills(self.prompt_cache, batch, active, cancelled)
+        for uid in cancelled:
             batch.remove([uid])
             self._finish(active, uid, "cancelled")
+
+    def _step(self, batch: BatchGenerator, active: dict[int, Choice]) -> None:
+        self._drop_cancelled(batch, active)
         if not active:
             return
         self.stats.batch_size = len(active)
         read_before = self.weight_bytes_read()
         prompt_responses, responses = batch.next()
-        self._store_prompts(batch, active, prompt_responses)
+        if self.prompt_cache is not None:
+            prompt_states.store_prompt_ends(self.prompt_cache, batch, active, prompt_responses)
         self.stats.steps += 1
         self.stats.batch_size_sum += len(active)
         self.stats.batch_size_steps[bisect.bisect_left(BATCH_SIZE_BUCKETS, len(active))] += 1
@@ -317,6 +332,7 @@ class Engine:
             restore = request.use_prompt_cache and request.prompt_logprobs is None
             if self.prompt_cache is not None and restore:
                 cache, reused = self.prompt_cache.fetch(prompt)
+            handle.admit(reused)
         except Exception as exc:
             if not isinstance(exc, InvalidRequest):  # the client's mistake is no bug
                 log.exception("request %s could not start", request.request_id)
@@ -513,8 +529,9 @@ class Engine:
                 batch.remove([response.uid])
                 finish = "stop"
         if finish is not None:
-            if response.prompt_cache is not None and response.finish_reason is not None:
-                self._store_finished(entry, response)
+            # A stop string ends the answer mid-batch: no final state comes with it.
+            if self.prompt_cache is not None and response.finish_reason is not None:
+                prompt_states.store_answer(self.prompt_cache, entry, response)
             self._finish(active, response.uid, finish)
 
     def _finish(self, active: dict[int, Choice], uid: int, reason: str) -> None:
@@ -540,34 +557,6 @@ class Engine:
         self.stats.requests_failed += 1
         entry.handle.push(error_event(exc))
         entry.handle.cancelled = True
-
-    def _store_prompts(self, batch: BatchGenerator, active: dict[int, Choice], responses) -> None:
-        """Store the cache state of prompts whose prefill reached their last token.
-
-        BatchGenerator splits each prompt's last token into a segment of its
-        own, so the end of the first segment is the state after prompt[:-1]:
-        the longest prefix any later prompt can reuse.
-        """
-        if self.prompt_cache is None:
-            return
-        done = [
-            r.uid
-            for r in responses
-            if r.end_of_segment
-            and not r.end_of_prompt
-            and r.uid in active
-            and active[r.uid].handle.request.use_prompt_cache
-        ]
-        if not done:
-            return
-        for uid, (cache, _) in batch.extract_cache(done).items():
-            self.prompt_cache.store(list(active[uid].handle.request.prompt_tokens[:-1]), cache)
-
-    def _store_finished(self, entry: Choice, response: Any) -> None:
-        """Store the state after the prompt and its answer: the next turn of a
-        conversation resends both, so it prefills only what came after."""
-        if self.prompt_cache is not None and entry.handle.request.use_prompt_cache:
-            self.prompt_cache.store(list(response.all_tokens), response.prompt_cache)
 
     def _check_memory(self) -> None:
         streamer = self.loaded.streamer if self.loaded is not None else None

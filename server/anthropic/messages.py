@@ -58,7 +58,7 @@ from flashserve.server.chat.conversation import (
     ToolCallDropped,
 )
 from flashserve.server.chat.pipeline import ChatTurn, render_chat, start_chat
-from flashserve.server.generation import Generation, cancel_on_disconnect
+from flashserve.server.generation import Generation, cancel_on_disconnect, with_keepalive
 from flashserve.server.http.errors import SERVER_ERROR, APIError
 
 log = logging.getLogger(__name__)
@@ -251,15 +251,9 @@ async def create_message(
         tracker=request.app.state.tracker,
         extra_processors=extra_processors,
     )
-    prompt_tokens = len(turn.generation.handle.request.prompt_tokens)
-    start = Message(
-        id=message_id,
-        model=loaded.model_id,
-        content=[],
-        usage=AnthropicUsage(input_tokens=prompt_tokens, output_tokens=0),
-    )
+    start = Message(id=message_id, model=loaded.model_id, content=[], usage=_start_usage(turn))
     if body.stream:
-        events = _stream(turn, start)
+        events = _stream(turn, start, options.stream_keepalive)
         return EventSourceResponse(sse(turn.generation, events, request.url.path), sep="\n")
     assembler = BlockAssembler()
     finished: Finished | None = None
@@ -280,11 +274,27 @@ async def create_message(
     )
 
 
-async def _stream(turn: ChatTurn, start: Message) -> AsyncIterator[StreamEvent]:
+def _start_usage(turn: ChatTurn, cached: int | None = None) -> AnthropicUsage:
+    prompt = len(turn.generation.handle.request.prompt_tokens)
+    cached = cached or 0
+    return AnthropicUsage(
+        input_tokens=prompt - cached, output_tokens=0, cache_read_input_tokens=cached
+    )
+
+
+async def _stream(turn: ChatTurn, start: Message, keepalive: float) -> AsyncIterator[StreamEvent]:
+    # message_start's usage splits cached input as the final usage does, so it
+    # waits for the worker's prompt-cache lookup: at most one keepalive interval
+    # (a long queue), after which it counts the whole prompt as input.
+    cached = await turn.generation.handle.wait_admitted(keepalive if keepalive > 0 else None)
+    start = start.model_copy(update={"usage": _start_usage(turn, cached)})
     yield MessageStartEvent(message=start)
     yield PingEvent()  # early, as Anthropic's streams do: the client knows the stream is live
     assembler = BlockAssembler()
-    async for event in turn.events():
+    async for event in with_keepalive(turn.events(), keepalive):
+        if event is None:  # a long prefill: Anthropic's own keepalive event
+            yield PingEvent()
+            continue
         pieces = assembler.finish(event) if isinstance(event, Finished) else assembler.feed(event)
         for piece in pieces:
             yield piece

@@ -130,7 +130,19 @@ class AssistantMessage(_Strict):
     content: str | Annotated[list[AssistantBlock], Field(min_length=1)]
 
 
-MessageIn = Annotated[UserMessage | AssistantMessage, Field(discriminator="role")]
+class SystemMessage(_Strict):
+    """A system message inside `messages` (Claude Code's beta
+    mid-conversation-system-2026-04-07: its agent list, a background task's
+    notification). Rendered as a system turn where it stands when the chat
+    template allows it, else folded into the neighbouring user turn
+    (chat/system_turns.py)."""
+
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system"]
+    content: str | Annotated[list[TextBlock], Field(min_length=1)]
+
+
+MessageIn = Annotated[UserMessage | AssistantMessage | SystemMessage, Field(discriminator="role")]
 
 
 # -- tools ---------------------------------------------------------------------------
@@ -224,7 +236,9 @@ class ConversationFields(_Strict, DepthLimited):
 
     model: str = Field(..., description="the served model id (see GET /v1/models)")
     messages: list[MessageIn] = Field(
-        ..., min_length=1, description="the last message must be the user's (no prefill)"
+        ...,
+        min_length=1,
+        description="the last message must be the user's or a system message (no prefill)",
     )
     system: str | list[TextBlock] | None = None
     tools: list[AnthropicTool] | None = None

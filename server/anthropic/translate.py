@@ -23,6 +23,7 @@ from flashserve.server.anthropic.protocol import (
     AssistantMessage,
     ConversationFields,
     MessagesRequest,
+    SystemMessage,
     TextBlock,
     ThinkingBlock,
     ToolChoiceAny,
@@ -161,7 +162,11 @@ def template_messages(body: ConversationFields) -> list[dict[str, Any]]:
         out.append({"role": "system", "content": system})
     tool_names: dict[str, str] = {}  # tool_use id -> name, for the tool messages
     for message in body.messages:
-        if isinstance(message.content, str):
+        if isinstance(message, SystemMessage):
+            # Where it stands; chat/system_turns.py folds it for templates that
+            # take a system message only first.
+            out.append({"role": "system", "content": system_text(message.content)})
+        elif isinstance(message.content, str):
             out.append({"role": message.role, "content": message.content})
         elif isinstance(message, AssistantMessage):
             out.append(_assistant(message, tool_names))

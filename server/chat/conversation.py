@@ -59,6 +59,7 @@ class ChatOptions:
     reasoning_parser: str | None = None
     default_max_tokens: int = 512
     prompt: PromptLimits = PromptLimits()
+    stream_keepalive: float = 5.0  # seconds; 0: no keepalive events
 
 
 # -- output events ------------------------------------------------------------------

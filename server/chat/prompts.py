@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -34,7 +35,7 @@ from typing import Any, TypeVar
 import jinja2
 
 from flashserve.engine.weights.tokenizer import hf_tokenizer
-from flashserve.server.chat import sandbox
+from flashserve.server.chat import sandbox, system_turns
 from flashserve.server.chat.conversation import PromptLimits
 from flashserve.server.http.errors import RETRY_AFTER_S, SERVER_ERROR, APIError, invalid_request
 from flashserve.server.settings import Settings
@@ -187,7 +188,7 @@ class _RenderJob:
 
 def _render_and_encode(job: _RenderJob, deadline: float) -> tuple[str, list[int]]:
     tokenizer, limits, param = job.tokenizer, job.limits, job.param
-    text = _render_text(job, deadline)
+    text = _render_system_turns(job, deadline)
     if not isinstance(text, str):
         raise invalid_request("The chat template did not render text.", param)
     if len(text) > limits.max_chars:
@@ -200,6 +201,25 @@ def _render_and_encode(job: _RenderJob, deadline: float) -> tuple[str, list[int]
     if not ids:
         raise invalid_request("The chat template rendered an empty prompt.", param, "empty_prompt")
     return text, ids
+
+
+def _render_system_turns(job: _RenderJob, deadline: float) -> str:
+    """The prompt with system messages after the first where they stand, or folded
+    into user turns when the template refuses or drops them (system_turns.py)."""
+    late = system_turns.late_system_texts(job.messages)
+    if not late:
+        return _render_text(job, deadline)
+    try:
+        text: str | None = _render_text(job, deadline)
+    except APIError as exc:
+        if exc.detail.code is not None:  # a limit (time, size), not a refusal
+            raise
+        text = None
+    if isinstance(text, str) and system_turns.all_shown(text, late):
+        return text
+    log.info("chat template takes a system message only first: folding the later ones")
+    folded = dataclasses.replace(job, messages=system_turns.fold(job.messages))
+    return _render_text(folded, deadline)
 
 
 def _render_text(job: _RenderJob, deadline: float) -> str:

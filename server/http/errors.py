@@ -101,11 +101,14 @@ def anthropic_error_type(status: int) -> str:
     return _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
 
 
-def error_body(status: int, detail: ErrorDetail, path: str = "") -> dict[str, Any]:
-    """The error object for `path`'s dialect: the one place the shape is chosen."""
+def error_body(
+    status: int, detail: ErrorDetail, path: str = "", anthropic_message: str | None = None
+) -> dict[str, Any]:
+    """The error object for `path`'s dialect: the one place the shape is chosen.
+    `anthropic_message`: Anthropic's own wording, where clients match it."""
     if dialect(path) == "anthropic":
-        message = detail.message
-        if detail.param and detail.param not in message:
+        message = anthropic_message or detail.message
+        if detail.param and detail.param not in message and anthropic_message is None:
             # Anthropic's object has no `param`: name the field as its messages do.
             message = f"{detail.param}: {message}"
         error = AnthropicErrorDetail(type=anthropic_error_type(status), message=message)
@@ -152,18 +155,21 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         headers: dict[str, str] | None = None,
+        anthropic_message: str | None = None,
     ):
         super().__init__(message)
         self.status = status
         self.detail = ErrorDetail(message=message, type=type, param=param, code=code)
         self.headers = headers
+        self.anthropic_message = anthropic_message
 
     def response(self, path: str = "") -> JSONResponse:
-        return error_response(self.status, self.detail, self.headers, path=path)
+        body = error_body(self.status, self.detail, path, self.anthropic_message)
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
 
     def body_json(self, path: str = "") -> str:
         """The error object as JSON text: the data of an SSE error event mid-stream."""
-        return json.dumps(error_body(self.status, self.detail, path))
+        return json.dumps(error_body(self.status, self.detail, path, self.anthropic_message))
 
 
 def invalid_request(message: str, param: str | None = None, code: str | None = None) -> APIError:

@@ -66,6 +66,9 @@ class TrackedHandle:
     def cancelled(self) -> bool:
         return self._handle.cancelled
 
+    async def wait_admitted(self, timeout: float | None) -> int | None:
+        return await self._handle.wait_admitted(timeout)
+
     def cancel(self, reason: str | None = None) -> None:
         """Stop the generation. `reason` None: the client went away (nobody listens)."""
         if self.cancel_reason is None:

@@ -34,8 +34,9 @@ DASHBOARD_PATHS = frozenset(
         "/dashboard/uPlot.min.css",
     }
 )
-# Liveness probes (load balancers, systemd, container healthchecks) carry no key.
-OPEN_PATHS = frozenset({"/health"}) | DASHBOARD_PATHS
+# Liveness probes (load balancers, systemd, container healthchecks) carry no key;
+# nor does a client's probe of / (what server is this).
+OPEN_PATHS = frozenset({"/", "/health"}) | DASHBOARD_PATHS
 
 
 def resolve_api_key(settings: Settings) -> str | None:

@@ -30,7 +30,13 @@ from flashserve.server.chat.conversation import (
     ToolCallDropped,
 )
 from flashserve.server.chat.pipeline import ChatTurn, start_chat
-from flashserve.server.generation import cancel_on_disconnect, new_id, now, sse_events
+from flashserve.server.generation import (
+    cancel_on_disconnect,
+    new_id,
+    now,
+    sse_events,
+    with_keepalive,
+)
 from flashserve.server.http.errors import invalid_request
 from flashserve.server.openai.common import choice_count, sampling_params, usage
 from flashserve.server.openai.logprobs import TokenStrings, chat_logprobs, token_strings
@@ -119,7 +125,7 @@ async def create_chat_completion(
     header = _ChunkHeader(completion_id, now(), loaded.model_id)
     strings = token_strings(loaded.tokenizer)
     if body.stream:
-        chunks = _stream(turn, header, chat.n, strings, body.include_usage)
+        chunks = _stream(turn, header, chat.n, strings, body.include_usage, options)
         return EventSourceResponse(sse_events(turn.generation, chunks), sep="\n")
     builders = [MessageBuilder(strings) for _ in range(chat.n)]
     async with cancel_on_disconnect(request, turn.generation):
@@ -174,14 +180,24 @@ class _ChunkHeader:
 
 
 async def _stream(
-    turn: ChatTurn, header: _ChunkHeader, n: int, strings: TokenStrings, include_usage: bool
+    turn: ChatTurn,
+    header: _ChunkHeader,
+    n: int,
+    strings: TokenStrings,
+    include_usage: bool,
+    options: ChatOptions,
 ) -> AsyncIterator[str]:
     for index in range(n):
         yield header.chunk(ChatDelta(role="assistant", content=""), index=index)
     finished: list[Finished] = []
     # Tokens of a dropped call's events, which send no chunk: they go with the next one.
     carried: list[list[TokenEvent]] = [[] for _ in range(n)]
-    async for choice in turn.choice_events():
+    async for choice in with_keepalive(turn.choice_events(), options.stream_keepalive):
+        if choice is None:
+            # A keepalive: an empty delta, the shape of OpenAI's own finish chunk
+            # (which every client reads), so no client sees anything new.
+            yield header.chunk(ChatDelta(), index=0)
+            continue
         event, index = choice.event, choice.index
         tokens = [*carried[index], *choice.tokens]
         carried[index] = []

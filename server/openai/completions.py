@@ -30,6 +30,7 @@ from flashserve.server.generation import (
     now,
     sse_events,
     submit,
+    with_keepalive,
 )
 from flashserve.server.http.errors import invalid_request
 from flashserve.server.openai.common import choice_count, sampling_params, usage
@@ -51,6 +52,7 @@ async def create_completion(
     default_max_tokens: int,
     vocab_size: int,
     limits: PromptLimits | None = None,
+    keepalive: float = 0.0,
 ) -> Completion | EventSourceResponse:
     n = choice_count(body, engine.config.max_batch)
     if body.max_tokens == 0 and not body.echo:
@@ -94,7 +96,10 @@ async def create_completion(
     choices = _Choices(n, echoed if body.echo else None, loaded.tokenizer, body.logprobs)
     if body.stream:
         return EventSourceResponse(
-            sse_events(generation, _stream(generation, completion, choices, body.include_usage)),
+            sse_events(
+                generation,
+                _stream(generation, completion, choices, body.include_usage, keepalive),
+            ),
             sep="\n",
         )
     async with cancel_on_disconnect(request, generation):
@@ -175,7 +180,11 @@ def _usage(generation: Generation) -> Usage:
 
 
 async def _stream(
-    generation: Generation, header: Completion, choices: _Choices, include_usage: bool
+    generation: Generation,
+    header: Completion,
+    choices: _Choices,
+    include_usage: bool,
+    keepalive: float,
 ) -> AsyncIterator[str]:
     def chunk(choice: CompletionChoice) -> str:
         return header.model_copy(update={"choices": [choice]}).model_dump_json()
@@ -184,7 +193,10 @@ async def _stream(
         # Echo without logprobs: the prompt's text needs nothing from the engine.
         for choice in choices.prompt(None):
             yield chunk(choice)
-    async for piece in generation.choice_pieces():
+    async for piece in with_keepalive(generation.choice_pieces(), keepalive):
+        if piece is None:  # a keepalive: no text yet
+            yield chunk(CompletionChoice(index=0, text=""))
+            continue
         for choice in choices.piece(piece):
             yield chunk(choice)
     if include_usage:

@@ -35,7 +35,7 @@ from flashserve.server.chat.conversation import (
 )
 from flashserve.server.chat.pipeline import ChatTurn, start_chat
 from flashserve.server.chat.prompts import encode
-from flashserve.server.generation import cancel_on_disconnect, now
+from flashserve.server.generation import cancel_on_disconnect, now, with_keepalive
 from flashserve.server.http.errors import SERVER_ERROR, APIError
 from flashserve.server.openai.common import DEFAULT_TEMPERATURE
 from flashserve.server.openai.response_store import ResponseStore
@@ -136,7 +136,8 @@ async def create_response(
         return response
 
     if body.stream:
-        return EventSourceResponse(_stream(turn, base, assembler, finish), sep="\n")
+        events = _stream(turn, base, assembler, finish, options.stream_keepalive)
+        return EventSourceResponse(events, sep="\n")
     async with cancel_on_disconnect(request, turn.generation):
         try:
             async for event in turn.events():
@@ -221,6 +222,7 @@ async def _stream(
     base: ResponseObject,
     assembler: OutputAssembler,
     finish: Callable[[], Awaitable[ResponseObject]],
+    keepalive: float,
 ) -> AsyncIterator[dict[str, str]]:
     """The typed events of one response. A failure after the stream began becomes an
     `error` event and then `response.failed` (the status can no longer change).
@@ -231,7 +233,15 @@ async def _stream(
         yield _sse(ResponseEvent(type="response.created", response=base, sequence_number=seq()))
         yield _sse(ResponseEvent(type="response.in_progress", response=base, sequence_number=seq()))
         try:
-            async for event in turn.events():
+            async for event in with_keepalive(turn.events(), keepalive):
+                if event is None:
+                    # A keepalive: Codex's idle timer counts events, not SSE comments.
+                    yield _sse(
+                        ResponseEvent(
+                            type="response.in_progress", response=base, sequence_number=seq()
+                        )
+                    )
+                    continue
                 for out in assembler.add(event):
                     yield _sse(out)
             response = await finish()

@@ -59,4 +59,5 @@ def chat_options(settings: Settings) -> ChatOptions:
         reasoning_parser=settings.reasoning_parser,
         default_max_tokens=settings.default_max_tokens,
         prompt=prompt_limits(settings),
+        stream_keepalive=settings.stream_keepalive,
     )

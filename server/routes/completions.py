@@ -36,4 +36,5 @@ async def completions(
         settings.default_max_tokens,
         vocab_size(loaded),
         prompt_limits(settings),
+        settings.stream_keepalive,
     )

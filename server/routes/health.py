@@ -1,14 +1,16 @@
 """GET /health: 200 once the model is loaded, 503 while it loads or after it failed.
+GET / (and HEAD /): what this server is, always 200.
 
-The body also says whether the worker is busy, so a client (or a test) can see
-a cancelled generation free the worker.
+The health body also says whether the worker is busy, so a client (or a test)
+can see a cancelled generation free the worker. Clients probe `/` before their
+first request (Claude Code's HEAD / warm-up): a 404 there reads as "no server".
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
@@ -27,6 +29,36 @@ class Health(BaseModel):
     stats: dict[str, Any] | None = None  # engine.stats_dict() when loaded
     blas: str | None = None  # what serves float matmuls: mkl, reference or accelerate
     error: ErrorDetail | None = None  # set when status is not ok (503)
+
+
+class About(BaseModel):
+    name: Literal["flashserve"] = "flashserve"
+    description: str = (
+        "OpenAI- and Anthropic-compatible server for language models larger than memory"
+    )
+    version: str
+    status: Literal["ok", "loading", "failed", "stopped"]
+    model: str | None = None
+    endpoints: list[str] = [
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/responses",
+        "/v1/messages",
+        "/v1/models",
+        "/health",
+        "/metrics",
+        "/dashboard",
+    ]
+
+
+@router.get("/", response_model=About, response_model_exclude_none=True)
+async def about(request: Request, engine: EngineDep) -> About:
+    loaded = engine.loaded if engine.state == "ready" else None
+    return About(
+        version=request.app.version,
+        status="ok" if loaded is not None else engine.state,  # type: ignore[arg-type]
+        model=loaded.model_id if loaded is not None else None,
+    )
 
 
 @router.get(

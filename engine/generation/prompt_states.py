@@ -1,0 +1,71 @@
+"""Which cache states the worker keeps in the prompt cache, and when.
+
+Three moments of a sequence in the batch (worker.py calls these):
+- its prefill reaches prompt[:-1]: the longest prefix any later prompt can
+  reuse (BatchGenerator splits each prompt's last token into a segment of its
+  own, so the end of the first segment is exactly that state);
+- it is cancelled part way through its prefill: what was prefilled, so a
+  client that gave up (an idle timeout, a dropped connection) and retries
+  resumes there instead of at token 0;
+- its answer ends: prompt + answer, which the next turn of a conversation
+  resends, so that turn prefills only what came after.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from mlx_lm.generate import BatchGenerator
+
+from flashserve.engine.generation.choices import Choice
+from flashserve.engine.generation.prompt_cache import PromptCache
+
+log = logging.getLogger(__name__)
+
+
+def store_prompt_ends(
+    cache: PromptCache, batch: BatchGenerator, active: dict[int, Choice], responses: Any
+) -> None:
+    """Store the state of prompts whose prefill reached prompt[:-1] in this step."""
+    done = [
+        r.uid
+        for r in responses
+        if r.end_of_segment
+        and not r.end_of_prompt
+        and r.uid in active
+        and active[r.uid].handle.request.use_prompt_cache
+    ]
+    if not done:
+        return
+    for uid, (state, _) in batch.extract_cache(done).items():
+        cache.store(list(active[uid].handle.request.prompt_tokens[:-1]), state)
+
+
+def store_cancelled_prefills(
+    cache: PromptCache, batch: BatchGenerator, active: dict[int, Choice], cancelled: list[int]
+) -> None:
+    """Store what the cancelled sequences prefilled before they leave the batch."""
+    asked = [uid for uid in cancelled if active[uid].handle.request.use_prompt_cache]
+    for uid, (state, tokens) in batch.extract_cache(asked).items():
+        choice = active[uid]
+        if _part_of_prompt(choice, tokens) and len(tokens) > choice.cached_tokens:
+            cache.store(list(tokens), state)
+            log.info(
+                "request %s cancelled during its prefill; kept its first %d tokens",
+                choice.handle.request.request_id,
+                len(tokens),
+            )
+
+
+def store_answer(cache: PromptCache, choice: Choice, response: Any) -> None:
+    """Store the state after the prompt and its answer."""
+    if choice.handle.request.use_prompt_cache and response.prompt_cache is not None:
+        cache.store(list(response.all_tokens), response.prompt_cache)
+
+
+def _part_of_prompt(choice: Choice, tokens: list[int]) -> bool:
+    """Whether a state covers part of its prompt: short of prompt[:-1] (stored when
+    the prefill reaches it) and of anything generated."""
+    prompt = choice.handle.request.prompt_tokens
+    return choice.generated == 0 and 0 < len(tokens) < len(prompt) - 1
