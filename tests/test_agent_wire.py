@@ -222,3 +222,34 @@ def test_unknown_role_is_still_refused_in_anthropic_shape(server: Server) -> Non
     )
     assert refused.status_code == 400
     assert refused.json()["type"] == "error" and "messages.0" in refused.json()["error"]["message"]
+
+
+def test_fields_and_betas_not_acted_on_are_logged_once(
+    server: Server, caplog: pytest.LogCaptureFixture
+) -> None:
+    body = {
+        "model": server.model_id,
+        "max_tokens": 2,
+        "messages": [{"role": "user", "content": "hi"}],
+        "context_management_wire_test": {"edits": []},
+    }
+    betas = "wire-test-beta-2026-01-01, mid-conversation-system-2026-04-07"
+    http = server.http(headers={"x-api-key": KEY, "anthropic-beta": betas})
+    with caplog.at_level("INFO", logger="flashserve.server.http.ignored"):
+        for _ in range(2):
+            assert http.post("/v1/messages", json=body).status_code == 200
+    lines = [r.getMessage() for r in caplog.records if r.name == "flashserve.server.http.ignored"]
+    assert (
+        lines.count(
+            "ConversationFields: field 'context_management_wire_test' accepted and not acted on"
+        )
+        + lines.count(
+            "MessagesRequest: field 'context_management_wire_test' accepted and not acted on"
+        )
+        == 1
+    ), lines
+    assert (
+        lines.count("anthropic-beta: flag 'wire-test-beta-2026-01-01' accepted and not acted on")
+        == 1
+    )
+    assert not any("mid-conversation-system" in line for line in lines)

@@ -24,6 +24,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_valida
 from flashserve.server.http.errors import (
     DepthLimited,
 )
+from flashserve.server.http.ignored import NotesIgnoredFields
 from flashserve.server.openai.protocol import WHOLE
 
 MAX_STOP_SEQUENCES = 16
@@ -231,7 +232,7 @@ class OutputConfig(_Strict):
 # -- requests ------------------------------------------------------------------------
 
 
-class ConversationFields(_Strict, DepthLimited):
+class ConversationFields(_Strict, DepthLimited, NotesIgnoredFields):
     """What /v1/messages and /v1/messages/count_tokens share: the prompt."""
 
     model: str = Field(..., description="the served model id (see GET /v1/models)")

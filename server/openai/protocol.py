@@ -34,6 +34,7 @@ from flashserve.server.chat.prompts import RESERVED_KWARGS
 from flashserve.server.http.errors import (
     DepthLimited,
 )
+from flashserve.server.http.ignored import NotesIgnoredFields
 
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound, and the engine's
@@ -143,7 +144,7 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class SamplingFields(_Strict, DepthLimited):
+class SamplingFields(_Strict, DepthLimited, NotesIgnoredFields):
     """Fields shared by /v1/chat/completions and /v1/completions."""
 
     model: str | None = Field(None, description="the served model id (default: the served model)")

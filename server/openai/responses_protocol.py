@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validat
 from flashserve.server.http.errors import (
     DepthLimited,
 )
+from flashserve.server.http.ignored import NotesIgnoredFields
 from flashserve.server.openai.protocol import MAX_STOP_STRINGS, WHOLE
 from flashserve.server.openai.responses_schema import (
     INPUT_OR_PREVIOUS,
@@ -106,7 +107,7 @@ class ReasoningConfig(BaseModel):
 Metadata = dict[str, str]
 
 
-class ResponseCreateRequest(DepthLimited):
+class ResponseCreateRequest(DepthLimited, NotesIgnoredFields):
     """POST /v1/responses.
 
     Accepted and ignored (no meaning on one local model): prompt_cache_key (the

@@ -32,10 +32,21 @@ from flashserve.server.http.deps import (
     vocab_size,
 )
 from flashserve.server.http.errors import AnthropicErrorResponse, error_responses
+from flashserve.server.http.ignored import note_ignored
 from flashserve.server.http.openapi import event_stream
 from flashserve.server.routes.chat import chat_options
 
 router = APIRouter(tags=["messages"])
+
+# Beta features whose request shapes this server takes; other flags are accepted
+# (a client sends a dozen) and logged once each.
+HONOURED_BETAS = frozenset({"mid-conversation-system-2026-04-07"})
+
+
+def note_betas(header: str | None) -> None:
+    flags = {flag.strip() for flag in (header or "").split(",") if flag.strip()}
+    note_ignored("anthropic-beta", sorted(flags - HONOURED_BETAS), what="flag")
+
 
 # 401 and 413 come from the middleware: server/http/openapi.py lists them on every route.
 _ERRORS = error_responses(400, 404, 429, 500, 503, model=AnthropicErrorResponse)
@@ -64,6 +75,7 @@ async def messages(
     extra_processors: ExtraProcessors,
 ) -> Message | EventSourceResponse:
     check_model(body.model, loaded, settings)
+    note_betas(request.headers.get("anthropic-beta"))
     return await create_message(
         body,
         request,
