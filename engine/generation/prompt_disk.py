@@ -135,7 +135,10 @@ class DiskTier:
             return None
         with self._lock:
             size = self._sizes.get(name, 0)
-            self._sizes.move_to_end(name)
+            # The writer may have deleted the entry since lookup() found it (a longer
+            # state made it redundant): what was read is checked and still served.
+            if name in self._sizes:
+                self._sizes.move_to_end(name)
         self.stats.bytes_read += size
         with contextlib.suppress(OSError):
             os.utime(path)  # recency survives a restart

@@ -1,0 +1,80 @@
+"""The prompt cache's disk tier under agent timing: the next turn arrives the
+instant an answer ends, while the writer thread is still storing that answer
+(and deleting the prompt's entry, which the longer state makes redundant).
+
+Before the fix, a load that came after lookup() found the prompt's entry and
+after the writer deleted it failed the request with a KeyError (issue 46).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+from mlx_lm import load as mlx_load
+from mlx_lm.models.cache import make_prompt_cache
+
+from flashserve.engine.generation import prompt_disk, prompt_files
+from flashserve.engine.generation.prompt_disk import DiskTier
+
+from .conftest import NO_EOS, start_server, stop_server
+
+PROMPT = list(range(10, 60))
+
+
+def _state(model, tokens: list[int]) -> list:
+    cache = make_prompt_cache(model)
+    model(mx.array([tokens]), cache=cache)
+    mx.eval([c.state for c in cache])
+    return cache
+
+
+def test_an_entry_deleted_between_lookup_and_load_is_still_served(
+    tiny_llama_dir: Path, tmp_path: Path, monkeypatch
+) -> None:
+    model, _ = mlx_load(str(tiny_llama_dir))
+    tier = DiskTier(tmp_path, 1 << 30, "race-model")
+    tier.put(prompt_files.prepare(PROMPT, _state(model, PROMPT)))
+    assert tier.flush()
+    name, _, usable = tier.lookup([*PROMPT, 1, 2])
+    assert usable == len(PROMPT)
+    read = prompt_files.read
+
+    def read_then_lose_the_race(path: Path, fingerprint: str):
+        out = read(path, fingerprint)
+        # The answer's longer state lands now and makes this entry redundant.
+        grown = [*PROMPT, 1, 2, 3]
+        tier.put(prompt_files.prepare(grown, _state(model, grown)))
+        assert tier.flush()
+        assert not path.exists()
+        return out
+
+    monkeypatch.setattr(prompt_disk.prompt_files, "read", read_then_lose_the_race)
+    loaded = tier.load(name)
+    assert loaded is not None and loaded[0] == PROMPT
+    tier.close()
+
+
+def test_next_turn_sent_the_instant_an_answer_ends(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    # A memory tier too small to hold a state: every turn looks its prefix up on disk.
+    server = start_server(
+        tiny_llama_dir,
+        tmp_path,
+        "--prompt-cache-bytes",
+        "1",
+        "--prompt-cache-disk-bytes",
+        "1GB",
+    )
+    try:
+        http = server.http()
+        prompt = "Turn zero. " * 8
+        for turn in range(24):
+            body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "logit_bias": NO_EOS}
+            answer = http.post("/v1/completions", json=body)
+            assert answer.status_code == 200, (turn, answer.text)
+            prompt += answer.json()["choices"][0]["text"] + f" Turn {turn + 1}."
+        stats = http.get("/cache/stats").json()["prompt_cache"]
+        assert stats["disk"]["hits"] > 0, stats
+        assert "KeyError" not in server.log_tail(200_000)
+    finally:
+        stop_server(server)
