@@ -1,0 +1,152 @@
+"""The real Claude Code (npm @anthropic-ai/claude-code, pinned) against the real server.
+
+Claude Code runs non-interactively (`claude -p`) with its default tools and
+prompt, its home and config dirs under tmp_path, and every request carrying
+a ScriptQueue's header (ANTHROPIC_CUSTOM_HEADERS), so the tiny model says
+exactly what each test scripts, through the real generation and parsing path.
+
+Its first prompt is ~19k real tokens, but ~75k of the tiny model's
+byte-level tokens, so the model has one layer and one attention head (a
+75k-token prefill in seconds on two cores), a 256k context, and the prompt
+cache on: a later turn prefills only what it adds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from flashserve.engine.weights.synthetic import make_model_dir
+
+from .agent_install import npm_client
+from .conftest import Server
+from .scripted import FIXTURES, TEMPLATES, ScriptQueue, script_queue, scripted_server
+
+VERSION = "2.1.197"
+CONTEXT = 262144
+RUN_TIMEOUT_S = 420.0
+# One layer, one head: attention over a 75k-token prompt is what costs.
+TINY = {
+    "max_position_embeddings": CONTEXT,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 1,
+    "num_key_value_heads": 1,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+}
+
+
+@pytest.fixture(scope="module")
+def claude() -> Path:
+    return npm_client("@anthropic-ai/claude-code", VERSION, "claude")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    spec = dict(TEMPLATES["qwen3"])
+    spec["chat_template"] = (FIXTURES / spec["chat_template"]).read_text()
+    path = make_model_dir(
+        tmp_path_factory.mktemp("claude-code") / "tiny-qwen3", "llama", overrides=TINY, **spec
+    )
+    with scripted_server(path, prompt_cache_bytes=2**30) as running:
+        yield running
+
+
+def claude_env(home: Path, server: Server, queue: ScriptQueue) -> dict[str, str]:
+    """Claude Code pointed at the server; nothing of the user's, nothing off this machine."""
+    model = server.model_id
+    return {
+        "PATH": os.environ["PATH"],
+        "HOME": str(home),
+        "CLAUDE_CONFIG_DIR": str(home / ".claude"),
+        "ANTHROPIC_BASE_URL": server.url,
+        "ANTHROPIC_API_KEY": "test-key",
+        "ANTHROPIC_MODEL": model,
+        "ANTHROPIC_DEFAULT_OPUS_MODEL": model,
+        "ANTHROPIC_DEFAULT_SONNET_MODEL": model,
+        "ANTHROPIC_DEFAULT_HAIKU_MODEL": model,
+        "ANTHROPIC_SMALL_FAST_MODEL": model,
+        "ANTHROPIC_CUSTOM_HEADERS": "\n".join(f"{k}: {v}" for k, v in queue.headers.items()),
+        # No internet here: without these it reaches for Anthropic's telemetry,
+        # error reporting and update checks.
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+        "DISABLE_TELEMETRY": "1",
+        "DISABLE_ERROR_REPORTING": "1",
+        "DISABLE_AUTOUPDATER": "1",
+        "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "1024",
+    }
+
+
+def run_claude(claude: Path, server: Server, queue: ScriptQueue, tmp: Path, prompt: str) -> Any:
+    home = tmp / "home"
+    work = tmp / "work"
+    home.mkdir()
+    work.mkdir()
+    cmd = [str(claude), "-p", prompt, "--output-format", "json"]
+    # Root may not skip permissions; allowing Bash by rule is what a -p run needs.
+    cmd += ["--allowedTools", "Bash"]
+    done = subprocess.run(
+        cmd,
+        cwd=work,
+        env=claude_env(home, server, queue),
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+        check=False,
+    )
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-2000:])
+    return json.loads(done.stdout)
+
+
+def test_plain_turn(claude: Path, server: Server, tmp_path: Path) -> None:
+    queue = script_queue("Hello from the scripted model.")
+    result = run_claude(claude, server, queue, tmp_path, "Say hello.")
+    assert result["result"] == "Hello from the scripted model."
+    assert result["is_error"] is False
+    # Claude Code's agent-type list comes as a system message inside `messages`.
+    assert served_system_message(queue)
+
+
+def served_system_message(queue: ScriptQueue) -> bool:
+    return any(
+        index > 0 and message["role"] == "system"
+        for body in queue.bodies
+        for index, message in enumerate(body["messages"])
+    )
+
+
+def tool_call(name: str, arguments: dict[str, Any]) -> str:
+    """A call as Qwen3 writes it."""
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+
+
+def test_background_task_notification(claude: Path, server: Server, tmp_path: Path) -> None:
+    marker = tmp_path / "work" / "done.txt"
+    call = tool_call(
+        "Bash",
+        {
+            "command": f"sleep 2; echo finished > {marker}",
+            "description": "Write a marker after two seconds",
+            "run_in_background": True,
+        },
+    )
+    queue = script_queue(call, "Waiting for the task.", "The background task finished.")
+    result = run_claude(claude, server, queue, tmp_path, "Run the task in the background.")
+    assert marker.read_text() == "finished\n"
+    assert result["result"] == "The background task finished."
+    assert result["is_error"] is False
+    # The turn after the tool result, then the one the finished task started.
+    assert len(queue.bodies) == 3
+    last = queue.bodies[-1]["messages"]
+    assert "<task-notification>" in json.dumps(last[-1]), last[-1]
+    assert last[-2] == {
+        "role": "assistant",
+        "content": [{"type": "text", "text": "Waiting for the task."}],
+    }
+    assert served_system_message(queue)
