@@ -1,0 +1,268 @@
+"""The real Codex CLI (npm @openai/codex, pinned) against the real server (issue 41).
+
+`codex exec --json` runs one turn non-interactively against an in-process
+scripted server (tests/agent_servers.py): a text turn, a shell-tool round trip
+through Codex's own sandbox, a first prefill slower than Codex's
+stream_idle_timeout_ms kept alive by `stream_keepalive` events, and a retry
+after an abandoned prefill that resumes from the prompt cache.
+
+Codex runs offline: its home (CODEX_HOME) is the test's, holding a
+config.toml with one model provider (the server), update checks, analytics
+and feedback off, and short model instructions. Codex's own instructions and
+tool set come to ~24k tokens in the tiny model's near-byte tokenizer, minutes
+of prefill here; trimmed, the prompt is ~6.5k tokens, still several seconds of
+prefill, which is what the keepalive and retry tests need.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .agent_install import npm_client
+from .agent_servers import Exchange, agent_server, context_length, make_agent_model
+from .conftest import Server
+from .scripted import ScriptQueue, script_queue
+
+CODEX = ("@openai/codex", "0.171.0", "codex")
+RUN_TIMEOUT_S = 240.0
+IDLE_MS = 3000  # Codex's stream_idle_timeout_ms in the keepalive and retry tests
+INSTRUCTIONS = "You are a coding agent. Answer briefly."
+HELLO = "Hello from flashserve."
+
+
+@pytest.fixture(scope="module")
+def codex() -> Path:
+    return npm_client(*CODEX)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_agent_model(tmp_path_factory.mktemp("codex") / "tiny-qwen3")
+
+
+@pytest.fixture(scope="module")
+def served(model_dir: Path) -> Iterator[tuple[Server, list[Exchange]]]:
+    with agent_server(model_dir) as running:
+        yield running
+
+
+def write_config(home: Path, server: Server, queue: ScriptQueue, **provider: Any) -> None:
+    """CODEX_HOME/config.toml: the server as the only model provider, nothing online."""
+    home.mkdir(parents=True, exist_ok=True)
+    provider.setdefault("stream_idle_timeout_ms", 60000)
+    provider.setdefault("stream_max_retries", 1)
+    provider.setdefault("request_max_retries", 1)
+    knobs = "\n".join(f"{key} = {value}" for key, value in provider.items())
+    instructions = home / "instructions.md"
+    [(header, queue_id)] = queue.headers.items()
+    instructions.write_text(INSTRUCTIONS + "\n")
+    (home / "config.toml").write_text(
+        f"""model = "{server.model_id}"
+model_provider = "flashserve"
+model_context_window = {context_length(server)}
+model_instructions_file = "{instructions}"
+check_for_update_on_startup = false
+web_search = "disabled"
+approval_policy = "never"
+
+[analytics]
+enabled = false
+
+[feedback]
+enabled = false
+
+[agents]
+enabled = false
+
+[features]
+goals = false
+apps = false
+plugins = false
+image_generation = false
+shell_snapshot = false
+
+[model_providers.flashserve]
+name = "flashserve"
+base_url = "{server.url}/v1"
+wire_api = "responses"
+env_key = "FLASHSERVE_TEST_KEY"
+{knobs}
+http_headers = {{ "{header}" = "{queue_id}" }}
+"""
+    )
+
+
+def run_codex(
+    codex: Path, home: Path, workdir: Path, prompt: str, sandbox: str = "read-only"
+) -> tuple[int, list[dict[str, Any]], str]:
+    """`codex exec --json`: (exit status, JSONL events, stderr)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "CODEX_"))}
+    env |= {"CODEX_HOME": str(home), "FLASHSERVE_TEST_KEY": "unused"}
+    cmd = [str(codex), "exec", "--json", "--skip-git-repo-check", "--strict-config"]
+    cmd += ["--sandbox", sandbox, "-C", str(workdir), prompt]
+    done = subprocess.run(
+        cmd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+        stdin=subprocess.DEVNULL,
+        check=False,
+    )
+    events = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    return done.returncode, events, done.stderr
+
+
+def of_type(events: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [e for e in events if e["type"] == kind]
+
+
+def items(events: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [e["item"] for e in of_type(events, "item.completed") if e["item"]["type"] == kind]
+
+
+def reconnects(events: list[dict[str, Any]]) -> list[str]:
+    return [e["message"] for e in of_type(events, "error") if "Reconnecting" in e["message"]]
+
+
+def usage(events: list[dict[str, Any]]) -> dict[str, int]:
+    completed = of_type(events, "turn.completed")
+    assert len(completed) == 1, events
+    return completed[0]["usage"]
+
+
+def rollout_context_windows(home: Path) -> set[int]:
+    """The context windows Codex recorded in its session files (token_count events)."""
+    windows = set()
+    for path in (home / "sessions").rglob("rollout-*.jsonl"):
+        for line in path.read_text().splitlines():
+            stack = [json.loads(line)]
+            while stack:
+                node = stack.pop()
+                if isinstance(node, dict):
+                    if isinstance(node.get("model_context_window"), int):
+                        windows.add(node["model_context_window"])
+                    stack.extend(node.values())
+                elif isinstance(node, list):
+                    stack.extend(node)
+    return windows
+
+
+def responses_posts(log: list[Exchange], queue: ScriptQueue) -> list[Exchange]:
+    return [
+        x
+        for x in log
+        if x.method == "POST" and x.path == "/v1/responses" and queue.id in x.headers.values()
+    ]
+
+
+def test_text_turn_completes(
+    codex: Path, served: tuple[Server, list[Exchange]], tmp_path: Path
+) -> None:
+    server, log = served
+    queue = script_queue(HELLO)
+    write_config(tmp_path / "home", server, queue)
+    status, events, stderr = run_codex(codex, tmp_path / "home", tmp_path / "work", "Say hello.")
+    assert status == 0, (events, stderr)
+    assert [m["text"] for m in items(events, "agent_message")] == [HELLO]
+    used = usage(events)
+    assert used["input_tokens"] > 1000 and used["output_tokens"] > 0, used
+    posts = responses_posts(log, queue)
+    assert [x.status for x in posts] == [200]
+    assert posts[0].body["stream"] is True and posts[0].body["model"] == server.model_id
+    # Codex took model_context_window (it keeps 95% of it as usable); unset, it
+    # assumes 272k, more than the model has.
+    windows = rollout_context_windows(tmp_path / "home")
+    window = context_length(server)
+    assert windows and all(0.9 * window <= w <= window for w in windows), windows
+
+
+def test_shell_tool_round_trip(
+    codex: Path, served: tuple[Server, list[Exchange]], tmp_path: Path
+) -> None:
+    server, _ = served
+    call = {"name": "exec_command", "arguments": {"cmd": "echo flashserve-$((6*7)) | tee out.txt"}}
+    queue = script_queue(
+        "<think>\nRun the command.\n</think>\n\n<tool_call>\n"
+        + json.dumps(call)
+        + "\n</tool_call>",
+        "The command printed flashserve-42.",
+    )
+    write_config(tmp_path / "home", server, queue)
+    work = tmp_path / "work"
+    # workspace-write: Codex's own sandbox, writable in the workdir only.
+    status, events, stderr = run_codex(
+        codex, tmp_path / "home", work, "Run the command.", sandbox="workspace-write"
+    )
+    assert status == 0, (events, stderr)
+    [command] = items(events, "command_execution")
+    assert command["exit_code"] == 0 and "flashserve-42" in command["aggregated_output"]
+    assert (work / "out.txt").read_text() == "flashserve-42\n"
+    assert [m["text"] for m in items(events, "agent_message")][-1] == (
+        "The command printed flashserve-42."
+    )
+    # The second request carries the call, and the command's output answering it.
+    assert len(queue.bodies) == 2
+    sent = queue.bodies[1]["input"]
+    [asked] = [i for i in sent if i["type"] == "function_call"]
+    [answer] = [i for i in sent if i["type"] == "function_call_output"]
+    assert asked["name"] == "exec_command" and json.loads(asked["arguments"]) == call["arguments"]
+    assert answer["call_id"] == asked["call_id"] and "flashserve-42" in answer["output"]
+    tools = {t.get("name") for t in queue.bodies[0]["tools"] if t["type"] == "function"}
+    assert "exec_command" in tools, tools
+
+
+def test_slow_first_prefill_kept_alive(codex: Path, model_dir: Path, tmp_path: Path) -> None:
+    """A prefill longer than stream_idle_timeout_ms: keepalive events every second
+    hold Codex's idle timer, so the one request completes without a retry."""
+    with agent_server(model_dir, stream_keepalive=1.0) as (server, log):
+        queue = script_queue(HELLO, HELLO, HELLO, HELLO)
+        write_config(
+            tmp_path / "home", server, queue, stream_idle_timeout_ms=IDLE_MS, stream_max_retries=3
+        )
+        status, events, stderr = run_codex(codex, tmp_path / "home", tmp_path / "work", "Hi.")
+    assert status == 0, (events, stderr)
+    assert [m["text"] for m in items(events, "agent_message")] == [HELLO]
+    assert reconnects(events) == []
+    [post] = responses_posts(log, queue)
+    # Without this the test would prove nothing: the prefill did outlast the timeout.
+    assert post.first_output_s is not None and post.first_output_s > IDLE_MS / 1000, (
+        f"prefill took {post.first_output_s} s, not over {IDLE_MS} ms: make the prompt longer"
+    )
+
+
+def test_retry_after_abandoned_prefill_resumes_from_the_cache(
+    codex: Path, model_dir: Path, tmp_path: Path
+) -> None:
+    """No keepalive events: Codex gives up on the silent prefill and retries; each
+    try resumes where the abandoned one stopped, so the completed turn reports
+    most of its prompt as cached."""
+    retries = 10
+    with agent_server(model_dir, stream_keepalive=0, prompt_cache_bytes=1_000_000_000) as (
+        server,
+        log,
+    ):
+        queue = script_queue(*[HELLO] * (retries + 1))
+        write_config(
+            tmp_path / "home",
+            server,
+            queue,
+            stream_idle_timeout_ms=IDLE_MS,
+            stream_max_retries=retries,
+        )
+        status, events, stderr = run_codex(codex, tmp_path / "home", tmp_path / "work", "Hi.")
+    assert status == 0, (events, stderr)
+    assert [m["text"] for m in items(events, "agent_message")] == [HELLO]
+    posts = responses_posts(log, queue)
+    assert len(posts) > 1 and len(reconnects(events)) == len(posts) - 1, reconnects(events)
+    assert posts[0].first_output_s is None  # the first try was abandoned before any output
+    used = usage(events)
+    assert used["cached_input_tokens"] >= 0.5 * used["input_tokens"], used
