@@ -11,6 +11,7 @@ from pathlib import Path
 from flashserve.engine.config import EngineConfig
 from flashserve.engine.generation.requests import ErrorEvent, GenerationRequest, SamplingParams
 from flashserve.engine.generation.worker import Engine
+from flashserve.engine.weights.layout import is_current
 from flashserve.engine.weights.prepare import prepare
 from flashserve.engine.weights.synthetic import make_model_dir
 
@@ -34,7 +35,7 @@ def bench_model(
     if not (source / "config.json").exists():
         log.info("writing bench model %s (%s)", name, arch)
         make_model_dir(source, arch, overrides=overrides, quantize_bits=bits, group_size=64)
-    if not (prepared / "manifest.json").exists():
+    if not is_current(prepared):  # missing, or an older layout
         log.info("preparing %s for streaming", name)
         prepare(str(source), prepared, expert_bits=expert_bits, force=True)
     return source, prepared

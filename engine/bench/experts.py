@@ -34,6 +34,7 @@ import mlx.core as mx
 
 from flashserve.engine.config import EngineConfig
 from flashserve.engine.streaming.diskio import drop_page_cache, measure_read_speed
+from flashserve.engine.weights.layout import is_current
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +122,7 @@ def bench_moe_model(work_dir: Path, quick: bool = False) -> Path:
     if not (source / "config.json").exists():
         log.info("writing the expert bench model (%s)", source)
         make_moe_source(source, QUICK_MOE if quick else BENCH_MOE)
-    if not (prepared / "manifest.json").exists():
+    if not is_current(prepared):  # missing, or an older layout
         log.info("preparing %s", prepared)
         prepare(str(source), prepared, force=True)
     return prepared

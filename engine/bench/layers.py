@@ -41,6 +41,7 @@ from mlx.utils import tree_flatten
 
 from flashserve.engine.config import EngineConfig
 from flashserve.engine.streaming.diskio import drop_page_cache, measure_read_speed
+from flashserve.engine.weights.layout import is_current
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +105,7 @@ def bench_models(work_dir: Path, quick: bool) -> list[BenchModel]:
     models = []
     default = default_model_path()
     prepared = work_dir / "layers-default" / "prepared"
-    if not (prepared / "manifest.json").exists():
+    if not is_current(prepared):  # missing, or an older layout
         log.info("preparing the default model into %s", prepared)
         prepare(str(default), prepared, force=True)
     models.append(BenchModel("SmolLM2-135M Q4 (default)", default, prepared))
@@ -115,7 +116,7 @@ def bench_models(work_dir: Path, quick: bool) -> list[BenchModel]:
     if not (source / "config.json").exists():
         log.info("writing the random llama into %s", source)
         make_model_dir(source, "llama", overrides=QUICK_LLAMA if quick else LARGE_LLAMA)
-    if not (prepared / "manifest.json").exists():
+    if not is_current(prepared):  # missing, or an older layout
         log.info("preparing %s", prepared)
         prepare(str(source), prepared, force=True)
     size = sum(f.stat().st_size for f in (prepared / "layers").iterdir())

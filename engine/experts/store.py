@@ -13,7 +13,9 @@ raises an ExpertReadError naming the file.
 Bytes land in memory exactly once: the worker thread allocates an MLX uint8
 buffer of the record's size, the I/O thread reads the file straight into it
 (through numpy's view of the buffer), and each tensor becomes a zero-copy view
-(slice → dtype view → reshape) of that buffer. MLX calls stay on the worker
+(slice → dtype view → reshape) of that buffer: prepare puts each tensor at a
+multiple of 256 bytes in its record (weights/layout.py ALIGN), which every
+backend's kernels accept. MLX calls stay on the worker
 thread; I/O threads only run the syscall and a checksum.
 """
 
@@ -35,7 +37,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from flashserve.engine.weights.reader import ReadPool, WeightFileError, preadv_all
+from flashserve.engine.weights.reader import ReadPool, WeightFileError, can_view, preadv_all
 
 log = logging.getLogger(__name__)
 
@@ -296,8 +298,8 @@ class ExpertStore:
         out = {}
         for spec in self.layouts[layer].tensors:
             raw = buffer[spec.offset : spec.offset + spec.nbytes]
-            if spec.offset % max(spec.dtype.size, 1):
-                raw = mx.array(np.array(raw))  # misaligned for its dtype: copy, not a view
+            if not can_view(spec.offset, spec.dtype):
+                raw = mx.array(np.array(raw))  # misaligned for this backend: a copy, not a view
             out[spec.name] = raw.view(spec.dtype).reshape(spec.shape)
         return out
 

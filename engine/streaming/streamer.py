@@ -49,6 +49,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from flashserve.engine.streaming.residency import ResidencyManager, ResidencyPlan, ShedEvent
+from flashserve.engine.weights.layout import align_up
 from flashserve.engine.weights.model import ModelLoadError
 from flashserve.engine.weights.reader import (
     CHUNK_BYTES,
@@ -291,11 +292,15 @@ class LayerStreamer:
         for sw in info.switches:
             crcs = sw.get("crc32")
             names = sorted(sw["tensors"], key=lambda n: sw["tensors"][n]["offset"])
+            ends = [*(int(sw["tensors"][n]["offset"]) for n in names[1:]), sw["record_bytes"]]
             for e, (offset, _) in enumerate(sw["records"]):
                 targets = []
-                for name in names:
+                for name, end in zip(names, ends, strict=True):
                     base, nbytes, _ = regions[f"{sw['path']}.{name}"]
                     targets.append(view[base + e * nbytes : base + (e + 1) * nbytes])
+                    gap = end - int(sw["tensors"][name]["offset"]) - nbytes
+                    if gap:  # the record's alignment padding: read (and checked), not kept
+                        targets.append(memoryview(bytearray(gap)))
                 pieces.append(Piece(int(offset), targets, None if crcs is None else crcs[e]))
         job = self._read(info.experts_file, info.experts_file_bytes, pieces)
         return _Read(job, buffer, raw)
@@ -500,19 +505,23 @@ def _expert_regions(switches: list[dict]) -> dict[str, tuple[int, int, dict]]:
     """{stacked parameter path: (offset in the buffer, bytes per expert, switch)}.
 
     Each stacked tensor gets one region of num_experts x its per-expert bytes,
-    aligned to 16 bytes so every region is a view of its dtype.
+    starting at a multiple of ALIGN (weights/layout.py) so every region is a
+    zero-copy view on every backend. A record's tensors lie at aligned offsets,
+    back to back but for the padding up to each (layout format 2).
     """
     out, at = {}, 0
     for sw in switches:
         specs = sorted(sw["tensors"].items(), key=lambda kv: kv[1]["offset"])
-        ends = [0] + [int(spec["offset"]) + int(spec["nbytes"]) for _, spec in specs]
+        ends = [0] + [align_up(int(spec["offset"]) + int(spec["nbytes"])) for _, spec in specs]
         if [int(spec["offset"]) for _, spec in specs] != ends[:-1] or (
             ends[-1] != sw["record_bytes"]
         ):
-            raise ModelLoadError(f"{sw['path']}: expert records are not back to back tensors")
+            raise ModelLoadError(
+                f"{sw['path']}: expert records are not aligned back to back tensors"
+            )
         for name, spec in specs:
             out[f"{sw['path']}.{name}"] = (at, int(spec["nbytes"]), sw)
-            at += -(-int(spec["nbytes"]) * int(sw["num_experts"]) // 16) * 16
+            at = align_up(at + int(spec["nbytes"]) * int(sw["num_experts"]))
     return out
 
 

@@ -13,7 +13,16 @@ header, data). We write the files ourselves rather than with
 `mx.save_safetensors` because its tensor order is not the name order, and the
 expert files need a known order: expert e's tensors form one byte range.
 
-manifest.json (format_version 1):
+Alignment (format_version 2): every tensor's data, and every expert record,
+starts at a multiple of ALIGN (256) bytes in its file, and a record's tensors
+at multiples of ALIGN within it. The file is read whole (or a record alone)
+into one MLX buffer, so every tensor is a zero-copy view at an aligned offset
+on every backend. Gaps are filled by uint8 padding tensors named
+`__pad__.N` (safetensors allows no holes), which readers skip. Format 1 files
+(element-size alignment only) are refused with the command that re-prepares
+them: MLX's CUDA matmuls fail on views at such offsets.
+
+manifest.json (format_version 2):
 
     format, format_version, created, model_type, num_layers,
     layers_prefix            "model.layers." (parameter prefix of decoder layers)
@@ -33,8 +42,10 @@ manifest.json (format_version 1):
                                     "num_experts": E,
                                     "record_bytes": R,
                                     "tensors": {"gate_proj.weight": {"dtype", "shape",
-                                                "offset" (within the record), "nbytes"}},
-                                    "records": [[absolute file offset, R], ...]  # per expert
+                                                "offset" (within the record, a multiple
+                                                of ALIGN), "nbytes"}},
+                                    "records": [[absolute file offset, R], ...]  # per expert;
+                                                offsets and R are multiples of ALIGN
                                     "crc32": [zlib.crc32 of each record's bytes]  # per expert
                                  }]}}
     files                    {name: {"bytes", "crc32"}}: config, tokenizer, template files
@@ -45,8 +56,8 @@ and non-layer files are checked chunk by chunk as they are read
 (weights/reader.py), so verifying costs no second pass; expert files by their
 records' CRCs (their headers are never read when serving). The small files are
 checked at load and only warned about: editing a chat template after prepare is
-legitimate. Manifests from before checksums (no "checksums" key) still load,
-unverified, with a warning.
+legitimate. Manifests from before checksums were format 1, refused like every
+format 1 directory.
 
 A switch's stacked parameter `{path}.{name}` ([E, ...]) is split into per-expert
 tensors named `{path}.{e:04d}.{name}` ([...]).
@@ -56,6 +67,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shlex
 import stat
 import struct
 import zlib
@@ -70,7 +82,13 @@ from flashserve.engine.weights.model import ModelLoadError
 log = logging.getLogger(__name__)
 
 FORMAT = "flashserve-prepared"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# Every tensor and every expert record starts at a multiple of this many bytes.
+# 256 is cudaMalloc's alignment, the most any MLX kernel (CUDA: cuBLASLt's
+# vectorized loads; Metal) assumes of a buffer, and it costs under 256 bytes a
+# tensor. With it, every view of a read buffer is zero-copy on every backend.
+ALIGN = 256
+PAD_PREFIX = "__pad__."  # padding tensors between aligned tensors; never loaded
 MANIFEST_NAME = "manifest.json"
 NON_LAYER_FILE = "non_layer.safetensors"
 
@@ -81,6 +99,11 @@ def layer_file(index: int) -> str:
 
 def experts_file(index: int) -> str:
     return f"experts/layer_{index:04d}.safetensors"
+
+
+def align_up(n: int, to: int = ALIGN) -> int:
+    """The first multiple of `to` at or after `n`."""
+    return -(-n // to) * to
 
 
 def dtype_name(dtype: mx.Dtype) -> str:
@@ -141,12 +164,44 @@ def read_manifest(path: Path) -> dict:
         raise ModelLoadError(f"{file}: unreadable manifest: {exc}") from exc
     if manifest.get("format") != FORMAT:
         raise ModelLoadError(f"{file}: not a flashserve manifest")
-    if manifest.get("format_version") != FORMAT_VERSION:
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION:
+        why = (
+            "its tensors are not aligned for GPU backends"
+            if isinstance(version, int) and version < FORMAT_VERSION
+            else "written by a newer flashserve"
+        )
         raise ModelLoadError(
-            f"{file}: format version {manifest.get('format_version')} "
-            f"(this flashserve reads {FORMAT_VERSION}); prepare the model again"
+            f"{file}: prepared layout version {version}, this flashserve reads "
+            f"{FORMAT_VERSION} ({why}); prepare it again: "
+            f"{reprepare_command(Path(path), manifest)}"
         )
     return manifest
+
+
+def is_current(path: Path) -> bool:
+    """A complete prepared directory of this format version (the bench reuses those)."""
+    try:
+        manifest = json.loads((Path(path) / MANIFEST_NAME).read_text())
+    except (OSError, ValueError):
+        return False
+    return manifest.get("format_version") == FORMAT_VERSION
+
+
+def reprepare_command(path: Path, manifest: dict) -> str:
+    """The `flashserve prepare` command that rewrites `path` from its recorded source."""
+    spec = (manifest.get("source") or {}).get("spec")
+    words = ["flashserve", "prepare", "default" if spec in (None, "None") else str(spec)]
+    words.append(str(path))
+    options = manifest.get("options") or {}
+    for name in ("bits", "expert_bits"):
+        if options.get(name) is not None:
+            words += [f"--{name.replace('_', '-')}", str(options[name])]
+    requantized = options.get("bits") is not None or options.get("expert_bits") is not None
+    if requantized and options.get("group_size") not in (None, 64):
+        words += ["--group-size", str(options["group_size"])]
+    words.append("--force")
+    return shlex.join(words)
 
 
 def checksum_chunk(manifest: dict) -> int | None:

@@ -28,10 +28,13 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map
 
 from flashserve.engine.weights.layout import (
+    ALIGN,
     FORMAT,
     FORMAT_VERSION,
     MANIFEST_NAME,
     NON_LAYER_FILE,
+    PAD_PREFIX,
+    align_up,
     dtype_name,
     experts_file,
     find_layers,
@@ -85,26 +88,46 @@ class Tensor:
 def write_safetensors(
     path: Path, tensors: list[tuple[str, Tensor]], metadata: dict[str, str] | None = None
 ) -> tuple[int, dict[str, int]]:
-    """Write `tensors` in the given order; return (data start, {name: absolute offset})."""
+    """Write `tensors` in the given order; return (data start, {name: absolute offset}).
+
+    Every tensor, and the end of the data, lands at a multiple of ALIGN in the
+    file (layout.py): the header is padded with spaces, the gaps between
+    tensors are uint8 tensors named PAD_PREFIX + N (safetensors allows no holes).
+    """
     header: dict[str, Any] = {"__metadata__": metadata or {"format": "mlx"}}
+    order: list[tuple[str, Tensor]] = []
     offset = 0
+
+    def pad_to(end: int) -> None:
+        nonlocal offset
+        if end > offset:
+            name = f"{PAD_PREFIX}{len(order)}"
+            order.append(
+                (name, Tensor(mx.uint8, (end - offset,), np.zeros(end - offset, np.uint8)))
+            )
+            header[name] = {"dtype": "U8", "shape": [end - offset], "data_offsets": [offset, end]}
+            offset = end
+
     for name, t in tensors:
         if t.dtype not in _ST_DTYPES:
             raise PrepareError(f"{name}: dtype {t.dtype} cannot be stored in safetensors")
+        pad_to(align_up(offset))
         header[name] = {
             "dtype": _ST_DTYPES[t.dtype],
             "shape": list(t.shape),
             "data_offsets": [offset, offset + t.nbytes],
         }
+        order.append((name, t))
         offset += t.nbytes
+    pad_to(align_up(offset))
     blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)  # data starts 8-byte aligned, as the spec suggests
+    blob += b" " * (-(8 + len(blob)) % ALIGN)  # the data starts ALIGN-aligned
     start = 8 + len(blob)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
-        for _, t in tensors:
+        for _, t in order:
             f.write(t.data.reshape(-1).view(np.uint8).data)
     offsets = {name: start + header[name]["data_offsets"][0] for name, _ in tensors}
     return start, offsets
@@ -345,7 +368,9 @@ def _write_experts(
                 "offset": rel,
                 "nbytes": nbytes,
             }
-            rel += nbytes
+            # Each tensor at an aligned offset within the record, and the record's
+            # length a multiple of ALIGN: the next record starts aligned too.
+            rel = align_up(rel + nbytes)
         # Expert-major order: expert e's tensors are one contiguous record.
         for e in range(count):
             for name in names:

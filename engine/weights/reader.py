@@ -38,6 +38,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from flashserve.engine.weights.layout import ALIGN, PAD_PREFIX
 from flashserve.engine.weights.model import ModelLoadError
 
 log = logging.getLogger(__name__)
@@ -366,7 +367,7 @@ def safetensors_views(buffer: mx.array, raw: np.ndarray, path: Path) -> dict[str
     start = 8 + n
     out = {}
     for name, spec in header.items():
-        if name == "__metadata__":
+        if name == "__metadata__" or name.startswith(PAD_PREFIX):
             continue
         dtype = ST_DTYPES.get(spec.get("dtype"))
         a, b = (start + int(o) for o in spec["data_offsets"])
@@ -381,10 +382,22 @@ def view_as(
     buffer: mx.array, raw: np.ndarray, start: int, end: int, dtype: mx.Dtype, shape: list[int]
 ) -> mx.array:
     """Bytes start..end of `buffer` as a tensor; a view, or a copy where misaligned."""
-    aligned = start % max(dtype.size, 1) == 0
-    # Unaligned for its dtype (GPU kernels need aligned offsets): a copy, not a view.
-    piece = buffer[start:end] if aligned else mx.array(raw[start:end].copy())
+    piece = buffer[start:end] if can_view(start, dtype) else mx.array(raw[start:end].copy())
     return piece.view(dtype).reshape(shape)
+
+
+def can_view(offset: int, dtype: mx.Dtype) -> bool:
+    """Whether a tensor at `offset` in a read buffer may be a view of it.
+
+    Off the CPU only at multiples of ALIGN: MLX's CUDA matmuls fail on views
+    aligned to the element size alone (cublasLtMatmul code 15), and Metal
+    kernels assume aligned buffers. Prepared files (format 2) put every tensor
+    there; anything else is copied on the CPU first. The CPU's kernels need
+    only the element size.
+    """
+    if offset % ALIGN == 0:
+        return True
+    return mx.default_device() == mx.cpu and offset % max(dtype.size, 1) == 0
 
 
 def read_tensors(
