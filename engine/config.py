@@ -13,6 +13,9 @@ from dataclasses import dataclass, field
 class EngineConfig:
     model: str | None = None  # None: the bundled default model
     model_id: str | None = None  # name reported by /v1/models; default: derived from path
+    # auto: the GPU where this MLX build has one, else the CPU (compute/device.py).
+    # Activations: float16 on a GPU, float32 on the CPU (weights/model.py).
+    device: str = "auto"  # auto | cpu | gpu
     # Layer streaming (prepared models only; see engine/weights/prepare.py)
     resident_layers: int | None = None  # None with residency="all": keep every layer
     memory_budget: int | None = None  # bytes; alternative to resident_layers

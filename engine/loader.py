@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 
-from flashserve.engine.compute import qmm, step_ops
+from flashserve.engine.compute import device, qmm, step_ops
 from flashserve.engine.compute.half_scales import float32_embeddings
 from flashserve.engine.compute.prompt_matmul import use_blas_for_prompts
 from flashserve.engine.config import EngineConfig
@@ -24,6 +24,10 @@ log = logging.getLogger(__name__)
 
 
 def load(config: EngineConfig) -> LoadedModel:
+    try:  # first: the compute dtype and every fast path follow the device
+        device.select(config.device)  # type: ignore[arg-type]
+    except device.DeviceError as exc:
+        raise ModelLoadError(str(exc)) from None
     target = resolve(config.model)
     prepared = is_prepared(target)
     if config.expert_cache and not prepared:

@@ -57,6 +57,9 @@ class Settings(BaseSettings):
     port: int = Field(8000, ge=0, le=65535)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     default_max_tokens: int = Field(2048, ge=1, description="max_tokens when a request sets none")
+    device: Literal["auto", "cpu", "gpu"] = Field(
+        "auto", description="auto: the GPU where MLX has one (float16), else the CPU (float32)"
+    )
 
     # Layer streaming
     residency: Literal["all", "fixed", "auto"] = "all"

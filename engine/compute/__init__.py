@@ -1,5 +1,7 @@
 """How MLX computes on this machine. Imports nothing else of flashserve.
 
+- `device`         the `device` setting: MLX's default device (auto, cpu, gpu),
+                   set once as a model loads.
 - `blas`           which BLAS serves MLX's float matmuls on Linux (MKL or the
                    bundled reference); must be chosen before MLX is imported.
 - `prompt_matmul`  quantized linears take prompt chunks as dequantize + BLAS.

@@ -48,10 +48,16 @@ def context_length_of(config: dict) -> int:
 def compute_dtype() -> mx.Dtype:
     """Float dtype for scales, biases, norms and unquantized weights.
 
-    The CPU backend runs float16/bfloat16 activations with quantized weights ~7x
-    slower than float32, and the activation dtype follows the weights, so on
-    CPU everything floating is float32. On a GPU float16 is native and halves
-    the memory of the non-packed tensors.
+    Follows MLX's default device, which the `device` setting fixes before a
+    model loads (compute/device.py). The CPU backend runs float16/bfloat16
+    activations with quantized weights ~7x slower than float32, and the
+    activation dtype follows the weights, so on CPU everything floating is
+    float32. On a GPU (CUDA, Metal) half precision is native and halves the
+    memory of the non-packed tensors; float16 rather than bfloat16: its 11
+    significant bits (bfloat16: 8) keep greedy tokens closest to the float32
+    CPU reference the identity tests compare with, mlx-community's quantized
+    checkpoints carry float16 scales, and mlx-lm clips the residual stream of
+    the models known to overflow it (Gemma 3).
     """
     return mx.float32 if mx.default_device() == mx.cpu else mx.float16
 
