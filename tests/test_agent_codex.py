@@ -214,6 +214,8 @@ def test_shell_tool_round_trip(
     sent = queue.bodies[1]["input"]
     [asked] = [i for i in sent if i["type"] == "function_call"]
     [answer] = [i for i in sent if i["type"] == "function_call_output"]
+    [thought] = [i for i in sent if i["type"] == "reasoning"]
+    assert [part["text"] for part in thought["content"]] == ["\nRun the command.\n"], thought
     assert asked["name"] == "exec_command" and json.loads(asked["arguments"]) == call["arguments"]
     assert answer["call_id"] == asked["call_id"] and "flashserve-42" in answer["output"]
     tools = {t.get("name") for t in queue.bodies[0]["tools"] if t["type"] == "function"}
