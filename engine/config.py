@@ -49,7 +49,10 @@ class EngineConfig:
     # bytes, 0 keeps it in memory only. The server's settings turn both on.
     prompt_cache_bytes: int = 0
     prompt_cache_disk_bytes: int = 0
-    prompt_cache_dir: str | None = None  # None: the platform's cache dir
+    prompt_cache_dir: str | None = None  # None: the platform's cache dir / fingerprint
+    # Bytes the SSD tier may write in any hour (0: no cap); past it, states stay
+    # in memory only, so one busy agent does not wear an SSD out.
+    prompt_cache_write_bytes_per_hour: int = 0
     # Seconds a weight read (streamed layer, expert) may stall before the
     # request that needs it fails; hung network storage must not hang the server.
     io_timeout: float = 30.0

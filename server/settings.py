@@ -95,8 +95,14 @@ class Settings(BaseSettings):
     )
     prompt_cache_dir: str | None = Field(
         None,
-        description="where they go; default ~/.cache/flashserve/prompt-cache (Linux), "
-        "~/Library/Caches/flashserve/prompt-cache (macOS)",
+        description="where they go; default ~/.cache/flashserve/prompt-cache/<weights "
+        "fingerprint> (Linux), ~/Library/Caches/flashserve/prompt-cache/<...> (macOS)",
+    )
+    prompt_cache_write_bytes_per_hour: int = Field(
+        4_000_000_000,
+        ge=0,
+        description="SSD bytes the prompt cache may write in any hour; past it states stay "
+        "in memory; 0 = no cap",
     )
     data_dir: str | None = Field(
         None,
@@ -176,6 +182,7 @@ class Settings(BaseSettings):
         "max_body_bytes",
         "prompt_cache_bytes",
         "prompt_cache_disk_bytes",
+        "prompt_cache_write_bytes_per_hour",
         "prefill_group_bytes",
         mode="before",
     )

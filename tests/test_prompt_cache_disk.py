@@ -36,10 +36,6 @@ def _entries(directory: Path) -> list[Path]:
     return sorted(directory.glob(f"*{prompt_files.SUFFIX}"))
 
 
-def _tokens_of(path: Path, model: str) -> list[int]:
-    return prompt_files.read_header(path, model).tokens
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "qwen3_next"])
 def test_disk_hits_after_a_restart_match_cold_runs(
     cache_arch_dirs: dict[str, Path], tmp_path: Path, arch: str
@@ -95,8 +91,11 @@ def test_corrupt_and_truncated_entries_are_discarded_never_served(
     writer = _disk_engine(model, tmp_path)
     _run_and_stop(writer, [BASE, other])
     fingerprint = writer.prompt_cache.disk.model
-    files = {tuple(_tokens_of(p, fingerprint)[:2]): p for p in _entries(tmp_path)}
-    assert len(files) == 2
+    # Each prompt's root file; its answer's state continues it (a second file
+    # holding only the answer), so damaging the root must take both out.
+    headers = {p: prompt_files.read_header(p, fingerprint) for p in _entries(tmp_path)}
+    files = {tuple(h.tokens[:2]): p for p, h in headers.items() if h.start == 0}
+    assert len(files) == 2 and len(headers) == 4
     corrupt, truncated = files[tuple(BASE[:2])], files[tuple(other[:2])]
     data = bytearray(corrupt.read_bytes())
     data[-100] ^= 0xFF  # one flipped bit pattern deep in the payload: same size
@@ -111,6 +110,7 @@ def test_corrupt_and_truncated_entries_are_discarded_never_served(
     disk = reader.prompt_cache.snapshot()["disk"]
     assert disk["discarded"] == 3 and disk["hits"] == 0
     assert not corrupt.exists() and not truncated.exists() and not garbage.exists()
+    assert disk["evicted"] == 2  # the answers' files continued them: deleted with them
 
 
 def test_entries_of_other_weights_or_format_are_never_used(tmp_path: Path):
@@ -120,22 +120,26 @@ def test_entries_of_other_weights_or_format_are_never_used(tmp_path: Path):
     cache = tmp_path / "cache"
     expected = _run_and_stop(_engine(second, model_id="same"), [[*BASE, 3]])
     _run_and_stop(_disk_engine(first, cache, model_id="same"), [BASE])
-    (foreign,) = _entries(cache)
+    foreign = _entries(cache)  # the prompt's file, and its answer's continuing it
+    assert len(foreign) == 2
 
     other = _disk_engine(second, cache, model_id="same")
     got = _run_and_stop(other, [[*BASE, 3]])
     assert got == [(expected[0][0], 0)]
-    assert foreign.exists()  # another model's entry stays, counted in the directory
+    # Another model's entries stay, counted in the directory.
+    assert all(path.exists() for path in foreign)
     disk = other.prompt_cache.snapshot()["disk"]
     assert disk["dir_bytes"] > disk["bytes"] and disk["discarded"] == 0
 
-    # An entry of another cache format version is left alone and never read.
-    data = bytearray(foreign.read_bytes())
-    data[8:12] = (prompt_files.FORMAT_VERSION + 1).to_bytes(4, "little")
-    foreign.write_bytes(bytes(data))
+    # Entries of another cache format version are left alone and never read.
+    for path in foreign:
+        data = bytearray(path.read_bytes())
+        data[8:12] = (prompt_files.FORMAT_VERSION + 1).to_bytes(4, "little")
+        path.write_bytes(bytes(data))
     again = _disk_engine(first, cache, model_id="same")
     assert _run_and_stop(again, [[*BASE, 3]])[0][1] == 0
-    assert foreign.exists() and again.prompt_cache.snapshot()["disk"]["discarded"] == 0
+    assert all(path.exists() for path in foreign)
+    assert again.prompt_cache.snapshot()["disk"]["discarded"] == 0
 
 
 def test_a_full_disk_budget_evicts_the_oldest_entries(
@@ -144,8 +148,8 @@ def test_a_full_disk_budget_evicts_the_oldest_entries(
     model = cache_arch_dirs["llama"]
     probe = tmp_path / "probe"
     _run_and_stop(_disk_engine(model, probe), [BASE])
-    (one,) = _entries(probe)
-    budget = int(one.stat().st_size * 2.5)
+    # One answered prompt: its prompt's file and its answer's, continuing it.
+    budget = int(sum(p.stat().st_size for p in _entries(probe)) * 2.5)
     prompts = [[first, *BASE[1:]] for first in (1, 2, 3, 4)]
 
     cache = tmp_path / "cache"
@@ -157,8 +161,11 @@ def test_a_full_disk_budget_evicts_the_oldest_entries(
 
     reader = _disk_engine(model, cache)  # a roomy budget: its own writes evict nothing
     got = _run_and_stop(reader, [[*p, 3] for p in prompts])
-    # The two newest answered prompts are still there; the oldest went first.
-    assert [cached for _, cached in got] == [0, 0, len(BASE), len(BASE)]
+    # The two newest answered prompts are still there whole; the oldest went
+    # first (a conversation's last file before the one it continues).
+    cached = [cached for _, cached in got]
+    assert cached[0] == 0 and cached[1] in (0, len(BASE) - 1)
+    assert cached[2:] == [len(BASE), len(BASE)]
 
 
 def test_server_serves_a_disk_hit_after_restart(tiny_llama_dir: Path, tmp_path: Path):

@@ -1,9 +1,13 @@
 """The prompt cache's disk tier under agent timing: the next turn arrives the
 instant an answer ends, while the writer thread is still storing that answer
-(and deleting the prompt's entry, which the longer state makes redundant).
+(and deleting an entry: evicted to make room for it).
 
 Before the fix, a load that came after lookup() found the prompt's entry and
 after the writer deleted it failed the request with a KeyError (issue 46).
+The writer once deleted the prompt's entry as redundant when the answer's
+longer state landed; since the disk tier writes only what is new (issue 42),
+the answer's state continues that entry instead, and deletions come from
+the byte budget.
 """
 
 from __future__ import annotations
@@ -33,8 +37,9 @@ def test_an_entry_deleted_between_lookup_and_load_is_still_served(
     tiny_llama_dir: Path, tmp_path: Path, monkeypatch
 ) -> None:
     model, _ = mlx_load(str(tiny_llama_dir))
-    tier = DiskTier(tmp_path, 1 << 30, "race-model")
-    tier.put(prompt_files.prepare(PROMPT, _state(model, PROMPT)))
+    first = prompt_files.prepare(PROMPT, _state(model, PROMPT))
+    tier = DiskTier(tmp_path, first.nbytes * 3 // 2, "race-model")  # room for one entry
+    tier.put(first)
     assert tier.flush()
     name, _, usable = tier.lookup([*PROMPT, 1, 2])
     assert usable == len(PROMPT)
@@ -42,9 +47,9 @@ def test_an_entry_deleted_between_lookup_and_load_is_still_served(
 
     def read_then_lose_the_race(path: Path, fingerprint: str):
         out = read(path, fingerprint)
-        # The answer's longer state lands now and makes this entry redundant.
-        grown = [*PROMPT, 1, 2, 3]
-        tier.put(prompt_files.prepare(grown, _state(model, grown)))
+        # Another conversation's state lands now; this entry is evicted for it.
+        other = [9, *PROMPT[1:]]
+        tier.put(prompt_files.prepare(other, _state(model, other)))
         assert tier.flush()
         assert not path.exists()
         return out

@@ -12,7 +12,8 @@ Two tiers:
   so generation never changes a stored entry. Under memory pressure it gives
   memory back before resident layers are shed.
 - disk (prompt_disk.py, optional): every stored state is also written to
-  `prompt_cache_dir`, so what memory evicted, and what a past run of the same
+  `prompt_cache_dir` (only the tokens past the longest prefix already there,
+  for attention KV), so what memory evicted, and what a past run of the same
   weights computed, is read back instead of prefilled. A disk entry read
   back moves into memory.
 
@@ -191,10 +192,16 @@ def prompt_cache_for(config: EngineConfig, loaded: LoadedModel) -> PromptCache |
         return None
     disk = None
     if config.prompt_cache_disk_bytes > 0:
-        directory = config.prompt_cache_dir or prompt_disk.default_dir()
+        directory = config.prompt_cache_dir
         try:
             fingerprint = weights_fingerprint(loaded.path, loaded.config, str(compute_dtype()))
-            disk = DiskTier(Path(directory), config.prompt_cache_disk_bytes, fingerprint)
+            directory = directory or prompt_disk.default_dir(fingerprint)
+            disk = DiskTier(
+                Path(directory),
+                config.prompt_cache_disk_bytes,
+                fingerprint,
+                config.prompt_cache_write_bytes_per_hour,
+            )
         except OSError as exc:
             log.warning("prompt cache stays in memory: %s is not usable (%s)", directory, exc)
     cache = PromptCache(config.prompt_cache_bytes, loaded.model_id, disk)

@@ -1,4 +1,4 @@
-"""One prompt-cache entry on disk: a cache state in a checksummed file.
+"""One prompt-cache file on disk: a cache state, or a segment of one, checksummed.
 
 Layout, little-endian:
 
@@ -6,10 +6,17 @@ Layout, little-endian:
     4 B   format version (FORMAT_VERSION)
     4 B   header length H
     32 B  blake2b-256 of the header
-    H B   header, JSON: model fingerprint, the prompt tokens, whether the
-          state can be trimmed, the state's skeleton, one (dtype, shape,
-          nbytes) per array, blake2b-256 of the payload
+    H B   header, JSON: model fingerprint, the tokens this file holds, the
+          position of its first token (`start`), the file it continues
+          (`parent`, null for a whole state), whether the state can be
+          trimmed, the state's skeleton, one (dtype, shape, nbytes) per
+          array, blake2b-256 of the payload
     ...   payload: the arrays' bytes, back to back
+
+A state whose layers are plain attention KV is stored as a chain of
+segments (prompt_segments.py): this file holds positions [start, start +
+len(tokens)) and continues its parent's first `start` positions. Anything
+else is stored whole: start 0, no parent.
 
 The skeleton is each cache's class name (from mlx_lm.models.cache) and its
 `state` with every array replaced by {"array": i}, so any cache type whose
@@ -36,8 +43,10 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models import cache as mlx_cache
 
+from flashserve.engine.generation import prompt_segments
+
 MAGIC = b"FSPCACHE"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: segments (start, parent); version 1 files are left alone
 SUFFIX = ".fpc"
 _PREAMBLE = struct.Struct("<8sII32s")
 
@@ -80,20 +89,38 @@ class PreparedEntry:
     trimmable: bool
     skeleton: list[Any]
     arrays: list[tuple[str, list[int], memoryview]]
+    splittable: bool = False  # plain KV: written as segments by position
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the file this entry makes (the header estimated from the tokens)."""
-        payload = sum(view.nbytes for _, _, view in self.arrays)
-        return _PREAMBLE.size + 12 * len(self.tokens) + 4096 + payload
+        """Bytes of the file this entry makes written whole."""
+        return self.segment_nbytes(0)
+
+    def segment_nbytes(self, start: int) -> int:
+        """Bytes of the file holding positions [start, end) (the header estimated)."""
+        if self.splittable:
+            payload = prompt_segments.sliced_nbytes(self.arrays, start, len(self.tokens))
+        else:
+            payload = sum(view.nbytes for _, _, view in self.arrays)
+        return _PREAMBLE.size + 12 * (len(self.tokens) - start) + 4096 + payload
 
 
 @dataclass
 class EntryHeader:
     model: str
-    tokens: list[int]
+    tokens: list[int]  # the tokens of this file's positions
     trimmable: bool
     file_bytes: int
+    start: int = 0  # position of its first token
+    parent: str | None = None  # the file holding the positions before `start`
+
+
+@dataclass
+class Segment:
+    """A file read back and checked: its header and its part of the cache state."""
+
+    header: EntryHeader
+    cache: list[Any]
 
 
 def prepare(tokens: list[int], cache: list[Any]) -> PreparedEntry:
@@ -113,21 +140,32 @@ def prepare(tokens: list[int], cache: list[Any]) -> PreparedEntry:
             (_DTYPE_NAMES[a.dtype], list(a.shape), memoryview(v))
             for a, v in zip(arrays, views, strict=True)
         ],
+        splittable=prompt_segments.splittable(tokens, cache),
     )
 
 
-def write(path: Path, model: str, entry: PreparedEntry) -> int:
-    """Write `entry` to `path` atomically (temp file, fsync, rename); return its bytes."""
+def write(
+    path: Path, model: str, entry: PreparedEntry, start: int = 0, parent: str | None = None
+) -> int:
+    """Write `entry` from position `start` on (continuing file `parent`) to `path`
+    atomically (temp file, fsync, rename); return the file's bytes."""
+    if (start or parent) and not entry.splittable:
+        raise ValueError("only plain KV states are written as segments")
+    arrays = entry.arrays
+    if entry.splittable:  # only the state's positions, not the buffer's spare room
+        arrays = prompt_segments.slice_views(arrays, start, len(entry.tokens))
     digest = hashlib.blake2b(digest_size=32)
-    for _, _, view in entry.arrays:
+    for _, _, view in arrays:
         digest.update(view)
     header = json.dumps(
         {
             "model": model,
-            "tokens": entry.tokens,
+            "tokens": entry.tokens[start:],
+            "start": start,
+            "parent": parent,
             "trimmable": entry.trimmable,
             "skeleton": entry.skeleton,
-            "arrays": [[dtype, shape, view.nbytes] for dtype, shape, view in entry.arrays],
+            "arrays": [[dtype, shape, view.nbytes] for dtype, shape, view in arrays],
             "payload": digest.hexdigest(),
         },
         separators=(",", ":"),
@@ -139,7 +177,7 @@ def write(path: Path, model: str, entry: PreparedEntry) -> int:
         with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
             f.write(_PREAMBLE.pack(MAGIC, FORMAT_VERSION, len(header), header_digest))
             f.write(header)
-            for _, _, view in entry.arrays:
+            for _, _, view in arrays:
                 f.write(view)
             f.flush()
             os.fsync(f.fileno())
@@ -155,14 +193,15 @@ def read_header(path: Path, model: str) -> EntryHeader:
     with open(path, "rb") as f:
         header, _ = _read_header(f, model)
         size = os.fstat(f.fileno()).st_size
-    return EntryHeader(model, header["tokens"], header["trimmable"], size)
+    return _entry_header(header, model, size)
 
 
-def read(path: Path, model: str) -> tuple[list[int], list[Any]]:
-    """(tokens, cache state) of the entry at `path`, every byte checked."""
+def read(path: Path, model: str) -> Segment:
+    """The file at `path`: header and (its part of) the cache state, every byte checked."""
     with open(path, "rb") as f:
         header, _ = _read_header(f, model)
         payload = f.read()
+        size = os.fstat(f.fileno()).st_size
     specs = header["arrays"]
     if len(payload) != sum(n for _, _, n in specs):
         raise EntryError(f"payload is {len(payload)} bytes, header says otherwise (truncated?)")
@@ -179,7 +218,14 @@ def read(path: Path, model: str) -> tuple[list[int], list[Any]]:
     cache = [
         _cache_class(name).from_state(_rebuild(state, arrays)) for name, state in header["skeleton"]
     ]
-    return header["tokens"], cache
+    return Segment(_entry_header(header, model, size), cache)
+
+
+def _entry_header(header: dict[str, Any], model: str, size: int) -> EntryHeader:
+    start, parent = header.get("start"), header.get("parent")
+    if not isinstance(start, int) or start < 0 or (start > 0) != isinstance(parent, str):
+        raise EntryError("segment start and parent disagree")
+    return EntryHeader(model, header["tokens"], header["trimmable"], size, start, parent)
 
 
 def _read_header(f: Any, model: str) -> tuple[dict[str, Any], int]:

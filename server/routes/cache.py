@@ -108,10 +108,18 @@ class PromptDiskView(BaseModel):
     bytes_read: int
     bytes_written: int
     written: int = Field(description="entries written")
-    evicted: int = Field(description="entries deleted to stay in budget or made redundant")
+    evicted: int = Field(
+        description="entries deleted to stay in budget, made redundant, or continuing one "
+        "that was deleted"
+    )
     discarded: int = Field(description="corrupt or truncated entries deleted, never served")
     write_errors: int = Field(description="writes that failed (e.g. disk full), logged")
-    dropped: int = Field(description="states not written because the writer was behind")
+    dropped: int = Field(
+        description="states not written: the writer was behind, or past the write budget"
+    )
+    dropped_over_budget: int = Field(description="of those, past write_bytes_per_hour")
+    write_bytes_per_hour: int = Field(description="write budget (0: no cap)")
+    bytes_written_last_hour: int
 
 
 class PromptCacheView(BaseModel):
@@ -234,7 +242,14 @@ def metric_numbers(engine: Engine) -> dict[str, Any]:
     return data
 
 
-_PROMPT_CACHE_GAUGES = {"max_bytes", "entries", "bytes", "dir_bytes"}
+_PROMPT_CACHE_GAUGES = {
+    "max_bytes",
+    "entries",
+    "bytes",
+    "dir_bytes",
+    "write_bytes_per_hour",
+    "bytes_written_last_hour",
+}
 
 
 def prompt_cache_metric_numbers(engine: Engine) -> dict[str, Any]:
