@@ -5,10 +5,10 @@ prompt, its home and config dirs under tmp_path, and every request carrying
 a ScriptQueue's header (ANTHROPIC_CUSTOM_HEADERS), so the tiny model says
 exactly what each test scripts, through the real generation and parsing path.
 
-Its first prompt is ~19k real tokens, but ~75k of the tiny model's
+Its first prompt is ~19k real tokens, but ~67k of the tiny model's
 byte-level tokens, so the model has one layer and one attention head (a
-75k-token prefill in seconds on two cores), a 256k context, and the prompt
-cache on: a later turn prefills only what it adds.
+67k-token prefill in about a second on two cores), a 256k context, and the
+prompt cache on: a later turn prefills only what it adds.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from .scripted import FIXTURES, TEMPLATES, ScriptQueue, script_queue, scripted_s
 VERSION = "2.1.197"
 CONTEXT = 262144
 RUN_TIMEOUT_S = 420.0
-# One layer, one head: attention over a 75k-token prompt is what costs.
+# One layer, one head: attention over a 67k-token prompt is what costs.
 TINY = {
     "max_position_embeddings": CONTEXT,
     "num_hidden_layers": 1,
@@ -143,6 +143,8 @@ def test_background_task_notification(claude: Path, server: Server, tmp_path: Pa
     assert result["is_error"] is False
     # The turn after the tool result, then the one the finished task started.
     assert len(queue.bodies) == 3
+    use = queue.bodies[1]["messages"][-2]["content"][0]
+    assert use["type"] == "tool_use" and use["input"]["run_in_background"] is True
     last = queue.bodies[-1]["messages"]
     assert "<task-notification>" in json.dumps(last[-1]), last[-1]
     assert last[-2] == {
