@@ -9,6 +9,7 @@ write budget.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import mlx.core as mx
@@ -18,6 +19,9 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from flashserve.engine.generation import prompt_disk, prompt_files
 from flashserve.engine.generation.prompt_disk import DiskTier
+
+from .test_prompt_cache import BASE, GROWN, _in_turn
+from .test_prompt_cache_disk import _disk_engine
 
 # Token ids stay under the tiny models' vocabulary (320).
 TURN_1 = list(range(10, 210))  # 200 tokens
@@ -185,3 +189,28 @@ def test_the_default_directory_is_one_per_model() -> None:
     first = prompt_disk.default_dir("a" * 64)
     second = prompt_disk.default_dir("b" * 64)
     assert first.parent == second.parent and first.name == "a" * 16 and first != second
+
+
+def test_an_engine_turn_writes_only_what_the_turn_added(
+    cache_arch_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    model = cache_arch_dirs["llama"]
+    config = json.loads((model / "config.json").read_text())
+    # float32 on the CPU: keys and values, every layer
+    kv = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * config["head_dim"] * 4
+    engine = _disk_engine(model, tmp_path)
+    try:
+        _in_turn(engine, [BASE])
+        disk = engine.prompt_cache.disk
+        assert disk.flush()
+        before = disk.stats.bytes_written
+        ((second, cached),) = _in_turn(engine, [GROWN])  # resends BASE, then 20 more
+        assert disk.flush()
+        written = disk.stats.bytes_written - before
+    finally:
+        engine.shutdown()
+    assert cached == len(BASE)
+    # Not on disk before this turn: the prompt past BASE, and the answer.
+    new = len(GROWN) + len(second) - cached
+    assert written <= 1.2 * new * kv, (written, new * kv)
+    assert written < (len(GROWN) + len(second)) * kv / 2  # far from the whole state
