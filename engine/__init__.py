@@ -18,6 +18,8 @@ never those below):
 - `distributed`  one model split across machines by layer ranges (MLX's
                  distributed engine): each rank's share, rank 0's messages,
                  the followers, the watchdog, `serve --hostfile`.
+- `prompt_cache` longest-prefix reuse of prompt states: memory tier, SSD
+                 tier (segment files), their write budget.
 - `generation`   the worker thread and its requests, events, samplers, stop
                  strings and constrained-decoding processors.
 - `bench`        `flashserve bench` and its sections; imports any of the above.

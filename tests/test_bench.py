@@ -171,8 +171,13 @@ def test_quick_bench_prints_every_section(tmp_path: Path) -> None:
     assert len(kept) == 1 and _number(kept[0][0]["after / before"]) >= 0.95, proc.stdout
     assert len(re.findall(r"\(target (<=|>=) [0-9.]+x\) (met|MISSED)$", proc.stdout, re.M)) >= 7
 
-    cache = [rows for t, rows in tables.items() if t.startswith("Prompt cache:")]
+    cache = [rows for t, rows in tables.items() if t.startswith("Prompt cache: time to")]
     assert len(cache) == 1, proc.stdout
+    written = [rows for t, rows in tables.items() if t.startswith("Prompt cache: SSD bytes")]
+    assert len(written) == 1 and written[0], proc.stdout
+    for row in written[0]:
+        # The disk tier writes only the tokens a turn adds (issue 42): at most 1.2x their KV.
+        assert 0 < _number(row["written / new KV"]) <= 1.2, row
     assert [(r["residency"], r["turn"]) for r in cache[0]] == [
         (res, str(n)) for res in ("100%", "0%") for n in (1, 2, 3)
     ]

@@ -158,6 +158,8 @@ def test_a_retry_after_a_dropped_prefill_resumes_from_its_prefix(
         "temperature": 0,
     }
     http = server.http()
+    prefilled_before = server.health().json()["stats"]["prefill_tokens_total"]
+    reused_before = http.get("/cache/stats").json()["prompt_cache"]["tokens_reused"]
     started = time.monotonic()
     with http.stream("POST", "/v1/chat/completions", json=body | {"stream": True}) as response:
         for _ in response.iter_lines():
@@ -169,3 +171,11 @@ def test_a_retry_after_a_dropped_prefill_resumes_from_its_prefix(
     cached = retry["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached >= 512, retry["usage"]  # at least one chunk of the dropped prefill
     assert cached < retry["usage"]["prompt_tokens"]
+    # Both tries together prefilled the prompt once, less what the first try found
+    # cached (the chat template's start, shared with earlier requests): the dropped
+    # one is counted for what it prefilled, not for its whole prompt.
+    prefilled = server.health().json()["stats"]["prefill_tokens_total"] - prefilled_before
+    reused = http.get("/cache/stats").json()["prompt_cache"]["tokens_reused"] - reused_before
+    first_try_reused = reused - cached
+    assert 0 <= first_try_reused < 512
+    assert prefilled == retry["usage"]["prompt_tokens"] - first_try_reused

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from flashserve.engine.generation import prompt_files
+from flashserve.engine.prompt_cache import files as prompt_files
 from flashserve.engine.weights.prepare import prepare
 from flashserve.engine.weights.synthetic import make_model_dir
 

@@ -18,8 +18,9 @@ import mlx.core as mx
 from mlx_lm import load as mlx_load
 from mlx_lm.models.cache import make_prompt_cache
 
-from flashserve.engine.generation import prompt_disk, prompt_files
-from flashserve.engine.generation.prompt_disk import DiskTier
+from flashserve.engine.prompt_cache import disk as prompt_disk
+from flashserve.engine.prompt_cache import files as prompt_files
+from flashserve.engine.prompt_cache.disk import DiskTier
 
 from .conftest import NO_EOS, start_server, stop_server
 

@@ -17,8 +17,9 @@ import pytest
 from mlx_lm import load as mlx_load
 from mlx_lm.models.cache import make_prompt_cache
 
-from flashserve.engine.generation import prompt_disk, prompt_files
-from flashserve.engine.generation.prompt_disk import DiskTier
+from flashserve.engine.prompt_cache import disk as prompt_disk
+from flashserve.engine.prompt_cache import files as prompt_files
+from flashserve.engine.prompt_cache.disk import DiskTier
 
 from .test_prompt_cache import BASE, GROWN, _in_turn
 from .test_prompt_cache_disk import _disk_engine

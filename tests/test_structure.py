@@ -120,6 +120,7 @@ ENGINE_ORDER = [
     "streaming",
     "loader",
     "distributed",
+    "prompt_cache",
     "generation",
 ]
 

@@ -10,6 +10,6 @@ flashserve.engine but `bench`.
 - `sampling`     a per-request sampler and logits processors (mlx-lm's).
 - `stops`        stop strings matched on text.
 - `constraints`  llguidance grammars as logits processors; forced tokens.
-- `prompt_cache` longest-prefix reuse of prompt states, memory tier;
-                 `prompt_disk` its SSD tier, `prompt_files` one entry's file.
+- `prompt_states` which states go into the prompt cache (engine/prompt_cache/)
+                 and when.
 """

@@ -19,7 +19,7 @@ from typing import Any
 from mlx_lm.generate import BatchGenerator
 
 from flashserve.engine.generation.choices import Choice
-from flashserve.engine.generation.prompt_cache import PromptCache
+from flashserve.engine.prompt_cache.cache import PromptCache
 
 log = logging.getLogger(__name__)
 
@@ -42,30 +42,29 @@ def store_prompt_ends(
         cache.store(list(active[uid].handle.request.prompt_tokens[:-1]), state)
 
 
-def store_cancelled_prefills(
-    cache: PromptCache, batch: BatchGenerator, active: dict[int, Choice], cancelled: list[int]
+def unprefilled(choice: Choice, tokens: list[int]) -> int:
+    """Prompt tokens a sequence has not prefilled yet, given the tokens its state
+    covers: 0 once its prefill reached prompt[:-1] or it generated."""
+    prompt = choice.handle.request.prompt_tokens
+    if choice.generated or len(tokens) >= len(prompt) - 1:
+        return 0
+    return len(prompt) - len(tokens)
+
+
+def store_cancelled_prefill(
+    cache: PromptCache, choice: Choice, state: list[Any], tokens: list[int]
 ) -> None:
-    """Store what the cancelled sequences prefilled before they leave the batch."""
-    asked = [uid for uid in cancelled if active[uid].handle.request.use_prompt_cache]
-    for uid, (state, tokens) in batch.extract_cache(asked).items():
-        choice = active[uid]
-        if _part_of_prompt(choice, tokens) and len(tokens) > choice.cached_tokens:
-            cache.store(list(tokens), state)
-            log.info(
-                "request %s cancelled during its prefill; kept its first %d tokens",
-                choice.handle.request.request_id,
-                len(tokens),
-            )
+    """Store what a sequence cancelled part way through its prefill prefilled."""
+    if choice.handle.request.use_prompt_cache and len(tokens) > choice.cached_tokens:
+        cache.store(list(tokens), state)
+        log.info(
+            "request %s cancelled during its prefill; kept its first %d tokens",
+            choice.handle.request.request_id,
+            len(tokens),
+        )
 
 
 def store_answer(cache: PromptCache, choice: Choice, response: Any) -> None:
     """Store the state after the prompt and its answer."""
     if choice.handle.request.use_prompt_cache and response.prompt_cache is not None:
         cache.store(list(response.all_tokens), response.prompt_cache)
-
-
-def _part_of_prompt(choice: Choice, tokens: list[int]) -> bool:
-    """Whether a state covers part of its prompt: short of prompt[:-1] (stored when
-    the prefill reaches it) and of anything generated."""
-    prompt = choice.handle.request.prompt_tokens
-    return choice.generated == 0 and 0 < len(tokens) < len(prompt) - 1

@@ -31,7 +31,6 @@ from flashserve.engine.generation.prefill import (
     LayerMajorUnsupported,
     PrefillJob,
 )
-from flashserve.engine.generation.prompt_cache import PromptCache, prompt_cache_for
 from flashserve.engine.generation.requests import (
     DoneEvent,
     ErrorEvent,
@@ -57,6 +56,7 @@ from flashserve.engine.generation.stats import (
     weight_bytes_read,
 )
 from flashserve.engine.generation.stops import StopMatcher
+from flashserve.engine.prompt_cache.cache import PromptCache, prompt_cache_for
 from flashserve.engine.weights.model import LoadedModel
 from flashserve.engine.weights.reader import WeightFileError
 
@@ -246,8 +246,13 @@ class Engine:
         cancelled = [u for u, a in active.items() if a.handle.cancelled]
         if not cancelled:
             return
-        if self.prompt_cache is not None:
-            prompt_states.store_cancelled_prefills(self.prompt_cache, batch, active, cancelled)
+        for uid, (state, tokens) in batch.extract_cache(cancelled).items():
+            choice = active[uid]
+            unprefilled = prompt_states.unprefilled(choice, tokens)
+            # Counted whole when the prompt entered the batch (_start).
+            self.stats.prefill_tokens_total -= unprefilled
+            if unprefilled and self.prompt_cache is not None:
+                prompt_states.store_cancelled_prefill(self.prompt_cache, choice, state, tokens)
         for uid in cancelled:
             batch.remove([uid])
             self._finish(active, uid, "cancelled")

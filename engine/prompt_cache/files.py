@@ -43,7 +43,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models import cache as mlx_cache
 
-from flashserve.engine.generation import prompt_segments
+from flashserve.engine.prompt_cache import segments as prompt_segments
 
 MAGIC = b"FSPCACHE"
 FORMAT_VERSION = 2  # 2: segments (start, parent); version 1 files are left alone

@@ -37,8 +37,9 @@ from typing import Any
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
 
 from flashserve.engine.config import EngineConfig
-from flashserve.engine.generation import prompt_disk, prompt_files
-from flashserve.engine.generation.prompt_disk import DiskTier
+from flashserve.engine.prompt_cache import disk as prompt_disk
+from flashserve.engine.prompt_cache import files as prompt_files
+from flashserve.engine.prompt_cache.disk import DiskTier
 from flashserve.engine.weights.fingerprint import weights_fingerprint
 from flashserve.engine.weights.model import LoadedModel, compute_dtype
 

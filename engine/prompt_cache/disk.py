@@ -49,9 +49,10 @@ from typing import Any
 
 from mlx_lm.models.cache import PromptTrie
 
-from flashserve.engine.generation import prompt_files, prompt_segments
-from flashserve.engine.generation.prompt_budget import WriteBudget
-from flashserve.engine.generation.prompt_files import EntryHeader, ForeignEntry, PreparedEntry
+from flashserve.engine.prompt_cache import files as prompt_files
+from flashserve.engine.prompt_cache import segments as prompt_segments
+from flashserve.engine.prompt_cache.budget import WriteBudget
+from flashserve.engine.prompt_cache.files import EntryHeader, ForeignEntry, PreparedEntry
 
 log = logging.getLogger(__name__)
 
