@@ -30,6 +30,7 @@ SOURCES = [
     "engine/compute/csrc/step_ops.cpp",
     "engine/compute/csrc/step_sdpa.cpp",
     "engine/compute/csrc/step_cache.cpp",
+    "engine/compute/csrc/prompt_softmax.cpp",
 ]
 
 

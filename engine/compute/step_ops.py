@@ -26,8 +26,9 @@ own name for it), so every architecture's and sampler's call sites take
 them unchanged. A call takes the fast op when the fast path is on (the
 `quantized_matmul` setting: one switch for flashserve's CPU path), its
 arrays are float32 on the default CPU stream and, for attention, there are
-at most `SDPA_MAX_QUERIES` query rows (decode; prompt chunks keep MLX's
-matmul-based fallback, which the BLAS makes fast) and no attention sinks;
+at most `SDPA_MAX_QUERIES` query rows (decode; prompt chunks take
+compute/prompt_attention.py: BLAS matmuls around a vectorized softmax) and
+no attention sinks;
 log-sum-exp must reduce the last axis. Anything else goes to MLX's function.
 Results agree with MLX's to float32 rounding; every path of a request
 (resident, streamed, cached, batched) takes the same op, so they still agree
@@ -43,7 +44,7 @@ from typing import Any, ClassVar
 import mlx.core as mx
 from mlx_lm.models import activations
 
-from flashserve.engine.compute import qmm
+from flashserve.engine.compute import prompt_attention, qmm
 
 SDPA_MAX_QUERIES = 8  # query rows per head up to which attention takes the fast op
 
@@ -178,7 +179,8 @@ def scaled_dot_product_attention(
     sinks: mx.array | None = None,
     stream: Any = None,
 ) -> mx.array:
-    """mx.fast.scaled_dot_product_attention, as one op on the CPU for few float32 query rows."""
+    """mx.fast.scaled_dot_product_attention on the CPU for float32: one op for few
+    query rows (decode), BLAS matmuls around a vectorized softmax for more (prompt chunks)."""
     ext = _fast()
     if (
         ext is not None
@@ -186,10 +188,13 @@ def scaled_dot_product_attention(
         and sinks is None
         and q.ndim == k.ndim == v.ndim == 4
         and q.dtype == k.dtype == v.dtype == mx.float32
-        and q.shape[2] <= SDPA_MAX_QUERIES
         and q.shape[1] % k.shape[1] == 0
     ):
-        if isinstance(mask, mx.array):
+        if q.shape[2] > SDPA_MAX_QUERIES:
+            out = prompt_attention.attention(ext, q, k, v, scale, mask)
+            if out is not None:
+                return out
+        elif isinstance(mask, mx.array):
             if mask.dtype == mx.bool_:
                 return ext.sdpa(q, k, v, [mask], 2, scale)
             if mask.dtype == mx.float32:

@@ -325,7 +325,11 @@ class Pool {
 
  private:
   void loop() {
-    uint64_t seen = gen_.load();
+    // From generation 0, not the current one: a worker first scheduled after
+    // the pool was told to stop (created and deleted at once, on a busy
+    // machine) would otherwise wait for a generation that never comes, and
+    // the deleting thread would join it forever.
+    uint64_t seen = 0;
     for (;;) {
       seen = wait_for_job(seen);
       Job* job;

@@ -17,6 +17,9 @@ void add_sdpa(nanobind::module_& m);
 // Adds cache_write (step_cache.cpp).
 void add_cache_write(nanobind::module_& m);
 
+// Adds masked_softmax (prompt_softmax.cpp).
+void add_prompt_softmax(nanobind::module_& m);
+
 namespace flashserve_step {
 
 // A step op whose result feeds a quantized matmul (RMSNorm before q/k/v and
