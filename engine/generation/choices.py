@@ -18,6 +18,7 @@ from flashserve.engine.generation.logprobs import sampled_logprobs
 from flashserve.engine.generation.requests import DoneEvent, RequestHandle, TokenEvent
 from flashserve.engine.generation.sampling import GuardedProcessors
 from flashserve.engine.generation.shared_prefill import PromptScores
+from flashserve.engine.generation.stats import TtftParts
 from flashserve.engine.generation.stops import StopMatcher
 
 
@@ -33,7 +34,8 @@ class Start:
     failed: bool = False
     logits: Any = None  # once prefilled outside the batch: the first token's (vocab,) logits
     scores: PromptScores | None = None  # the prompt's logprobs, when asked for
-    started: float = field(default_factory=time.perf_counter)
+    started: float = field(default_factory=time.perf_counter)  # prompt looked up
+    prefilled_at: float | None = None  # prefilled outside the batch: when
 
     def __post_init__(self) -> None:
         self.cached = self.reused  # tokens the prompt cache gave: reported as cached_tokens
@@ -57,6 +59,7 @@ class Choice:
     processors: GuardedProcessors | None
     started: float
     cached_tokens: int = 0  # prompt tokens restored from the prompt cache
+    prefilled_at: float | None = None  # the prompt's prefill ended (its logits ready)
     first_token_at: float | None = None
     generated: int = 0
     failed: BaseException | None = None
@@ -73,6 +76,19 @@ class Choice:
         if k is not None and logprobs is not None:
             event.logprob, event.top_logprobs = sampled_logprobs(logprobs, token, k)
         self.handle.push(event)
+
+    def ttft_parts(self) -> TtftParts | None:
+        """Where the time to this choice's first token went (None without one)."""
+        handle = self.handle
+        if self.first_token_at is None or handle.taken_at is None:
+            return None
+        prefilled = self.prefilled_at or self.first_token_at
+        return TtftParts(
+            queue_wait_s=handle.taken_at - handle.submitted_at,
+            cache_lookup_s=self.started - handle.taken_at,
+            prefill_s=prefilled - self.started,
+            first_step_s=self.first_token_at - prefilled,
+        )
 
     def done(self, reason: str) -> DoneEvent:
         """The choice's last event. Text held back for stop matching is the client's,

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import itertools
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -153,6 +154,9 @@ class RequestHandle:
         self._queue: asyncio.Queue[Event] = asyncio.Queue()
         self.cancelled = False  # read by the worker between tokens
         self.started = False  # set by the worker when it takes the request
+        # Time to first token in parts (perf_counter): submitted here, taken by the worker.
+        self.submitted_at = time.perf_counter()
+        self.taken_at: float | None = None
         # Prompt tokens the prompt cache gave, once the worker has looked the prompt
         # up (None before): a dialect that reports usage up front waits for it.
         self.cached_tokens: int | None = None

@@ -3,11 +3,52 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 
 from flashserve.engine.weights.model import LoadedModel
 
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # max_batch is at most 256
+
+
+@dataclass
+class TtftParts:
+    """Where one request's time to first token went, in seconds; they add up to it.
+
+    queue_wait: submitted until the worker took it; cache_lookup: its prompt
+    looked up in the prompt cache (and a hit restored), processors built;
+    prefill: the prompt's uncached tokens run, until the logits of its last one;
+    first_step: from there to the first token out (sampling, the first decode
+    step of the batch it joined).
+    """
+
+    queue_wait_s: float = 0.0
+    cache_lookup_s: float = 0.0
+    prefill_s: float = 0.0
+    first_step_s: float = 0.0
+
+    @property
+    def total_s(self) -> float:
+        return self.queue_wait_s + self.cache_lookup_s + self.prefill_s + self.first_step_s
+
+
+@dataclass
+class TtftStats:
+    """The last request's parts, and their sums over every request with a first token
+    (/metrics serves the sums as counters: rate(part) / rate(requests) is its mean)."""
+
+    requests: int = 0
+    last: TtftParts = field(default_factory=TtftParts)
+    last_total_s: float = 0.0
+    total: TtftParts = field(default_factory=TtftParts)
+    total_s: float = 0.0
+
+    def add(self, parts: TtftParts) -> None:
+        self.requests += 1
+        self.last, self.last_total_s = parts, parts.total_s
+        self.total = TtftParts(
+            *(a + b for a, b in zip(astuple(self.total), astuple(parts), strict=True))
+        )
+        self.total_s += parts.total_s
 
 
 @dataclass
@@ -32,6 +73,7 @@ class WorkerStats:
     last_step_read_bytes: int = 0  # weights read from disk by the last step, for the batch
     last_prefill_tokens_per_s: float = 0.0
     last_decode_tokens_per_s: float = 0.0
+    ttft: TtftStats = field(default_factory=TtftStats)
 
     def record(
         self, prompt: int, generated: int, started: float, first_token_at: float | None

@@ -13,6 +13,7 @@ import copy
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
@@ -264,6 +265,11 @@ class Engine:
         self.stats.batch_size = len(active)
         read_before = self.weight_bytes_read()
         prompt_responses, responses = batch.next()
+        prefilled_at = time.perf_counter()
+        for response in prompt_responses:
+            choice = active.get(response.uid) if response.end_of_prompt else None
+            if choice is not None and choice.prefilled_at is None:  # else prefilled outside
+                choice.prefilled_at = prefilled_at
         if self.prompt_cache is not None:
             prompt_states.store_prompt_ends(self.prompt_cache, batch, active, prompt_responses)
         self.stats.steps += 1
@@ -295,6 +301,7 @@ class Engine:
                 running = False
                 break
             handle.started = True
+            handle.taken_at = time.perf_counter()
             if handle.cancelled:
                 self._cancel_waiting(handle)
                 continue
@@ -402,6 +409,7 @@ class Engine:
             self.stats.prefill_tokens_total += len(start.prompt) - start.reused
             start.reused = len(start.prompt)
             start.logits = job.logits
+            start.prefilled_at = time.perf_counter()
 
     def _layer_major_wanted(self) -> bool:
         """Whether some weights come from disk now (shedding can stream more layers)."""
@@ -437,6 +445,7 @@ class Engine:
                 processors=start.processors if index == 0 else self._processors(request, index),
                 started=start.started,
                 cached_tokens=start.cached,
+                prefilled_at=start.prefilled_at,
             )
             last = index == request.n - 1
             cache = start.cache if last or start.cache is None else copy.deepcopy(start.cache)
@@ -468,6 +477,7 @@ class Engine:
             return False
         self.stats.prefill_tokens_total += len(start.prompt) - start.reused
         start.reused = len(start.prompt)
+        start.prefilled_at = time.perf_counter()
         return True
 
     def _start_choice(
@@ -577,6 +587,8 @@ class Engine:
         # The prompt is the request's, whatever n is: counted with choice 0.
         prompt = len(entry.handle.request.prompt_tokens) if entry.index == 0 else 0
         self.stats.record(prompt, entry.generated, entry.started, entry.first_token_at)
+        if entry.index == 0 and (parts := entry.ttft_parts()) is not None:
+            self.stats.ttft.add(parts)
 
 
 def _cancel_check(handle: RequestHandle) -> Callable[[], bool]:

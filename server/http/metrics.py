@@ -148,9 +148,44 @@ class EngineCollector(Collector):
         for key, (name, doc) in self.GAUGES.items():
             if isinstance(stats.get(key), (int, float)):
                 yield GaugeMetricFamily(metric_name(PREFIX, name), doc, value=stats[key])
+        yield from _ttft_metrics(stats.get("ttft"))
         steps = stats.get("batch_size_steps")
         if isinstance(steps, list) and len(steps) == len(BATCH_SIZE_BUCKETS):
             yield _batch_size_histogram(steps, stats.get("batch_size_sum", 0))
+
+
+TTFT_PARTS = ("queue_wait_s", "cache_lookup_s", "prefill_s", "first_step_s")
+
+
+def _ttft_metrics(ttft: Any) -> Iterator[Metric]:
+    """Time to first token in parts (engine/generation/stats.py, TtftParts): the sums
+    as counters (a part's mean is rate(part) / rate(requests)), the last request's
+    as gauges. The parts add up to the whole, so a slow first token is explained
+    from /metrics alone."""
+    if not isinstance(ttft, dict):
+        return
+    yield CounterMetricFamily(
+        metric_name(PREFIX, "ttft_requests_total"),
+        "Requests whose time to first token is split below",
+        value=ttft["requests"],
+    )
+    for part in TTFT_PARTS:
+        name = part.removesuffix("_s")
+        yield CounterMetricFamily(
+            metric_name(PREFIX, f"ttft_{name}_seconds_total"),
+            f"Time to first token spent in {name.replace('_', ' ')}, summed over requests",
+            value=ttft["total"][part],
+        )
+        yield GaugeMetricFamily(
+            metric_name(PREFIX, f"last_ttft_{name}_seconds"),
+            f"Time to first token spent in {name.replace('_', ' ')}, last request",
+            value=ttft["last"][part],
+        )
+    yield GaugeMetricFamily(
+        metric_name(PREFIX, "last_ttft_seconds"),
+        "Time to first token of the last request, from submit (the parts' sum)",
+        value=ttft["last_total_s"],
+    )
 
 
 def _batch_size_histogram(steps: list[int], total: int) -> HistogramMetricFamily:
