@@ -31,10 +31,23 @@ CONTEXT = 131072  # a context as long as agents expect; the random model does no
 OUTPUT_MARKS = (b"event: response.output_", b'"delta":{"content"', b'"delta":{"role"')
 
 
-def make_agent_model(out: Path) -> Path:
+# One layer, one head: for prompts of tens of thousands of the tiny tokenizer's
+# tokens, attention is what costs (a 67k-token prefill in about a second).
+ONE_LAYER = {
+    "num_hidden_layers": 1,
+    "num_attention_heads": 1,
+    "num_key_value_heads": 1,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+}
+
+
+def make_agent_model(out: Path, context: int = CONTEXT, **overrides: Any) -> Path:
+    """A tiny llama with Qwen3's chat template (Hermes tool calls) and a long context."""
     spec = dict(scripted.TEMPLATES["qwen3"])
     spec["chat_template"] = (scripted.FIXTURES / spec["chat_template"]).read_text()
-    return make_model_dir(out, "llama", overrides={"max_position_embeddings": CONTEXT}, **spec)
+    config = {"max_position_embeddings": context, **overrides}
+    return make_model_dir(out, "llama", overrides=config, **spec)
 
 
 @dataclass

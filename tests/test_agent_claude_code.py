@@ -22,24 +22,14 @@ from typing import Any
 
 import pytest
 
-from flashserve.engine.weights.synthetic import make_model_dir
-
 from .agent_install import npm_client
+from .agent_servers import ONE_LAYER, make_agent_model
 from .conftest import Server
-from .scripted import FIXTURES, TEMPLATES, ScriptQueue, script_queue, scripted_server
+from .scripted import ScriptQueue, script_queue, scripted_server
 
 VERSION = "2.1.197"
 CONTEXT = 262144
 RUN_TIMEOUT_S = 420.0
-# One layer, one head: attention over a 67k-token prompt is what costs.
-TINY = {
-    "max_position_embeddings": CONTEXT,
-    "num_hidden_layers": 1,
-    "num_attention_heads": 1,
-    "num_key_value_heads": 1,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-}
 
 
 @pytest.fixture(scope="module")
@@ -49,10 +39,8 @@ def claude() -> Path:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    spec = dict(TEMPLATES["qwen3"])
-    spec["chat_template"] = (FIXTURES / spec["chat_template"]).read_text()
-    path = make_model_dir(
-        tmp_path_factory.mktemp("claude-code") / "tiny-qwen3", "llama", overrides=TINY, **spec
+    path = make_agent_model(
+        tmp_path_factory.mktemp("claude-code") / "tiny-qwen3", CONTEXT, **ONE_LAYER
     )
     with scripted_server(path, prompt_cache_bytes=2**30) as running:
         yield running

@@ -39,8 +39,6 @@ using namespace flashserve_step;
 
 namespace {
 
-enum MaskMode : int { kNone = 0, kCausal = 1, kBool = 2, kAdditive = 3 };
-
 constexpr int ROWS_PER_PART = 16;  // rows handed to a thread at a time
 
 // One row: t holds the scores with hidden keys at -inf, padded with -inf to

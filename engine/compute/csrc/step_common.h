@@ -19,6 +19,9 @@ namespace flashserve_step {
 
 namespace mx = mlx::core;
 
+// How an attention op's mask is given (step_ops.py passes these numbers).
+enum MaskMode : int { kNone = 0, kCausal = 1, kBool = 2, kAdditive = 3 };
+
 inline mx::Stream cpu_stream() { return mx::default_stream(mx::Device(mx::Device::cpu)); }
 
 inline void check(bool ok, const char* what) {

@@ -34,8 +34,6 @@ using namespace flashserve_step;
 
 namespace {
 
-enum MaskMode : int { kNone = 0, kCausal = 1, kBool = 2, kAdditive = 3 };
-
 // The fast path runs only where the CPU has AVX2 and FMA (qmm.py checks
 // before anything here is used), so these may use them unconditionally.
 __attribute__((target("avx2,fma"))) inline float dot(const float* a, const float* b, int n) {
