@@ -95,7 +95,8 @@ def test_requantized_types_stay_within_half_a_step(tmp_path, qtype):
     groups = reference.reshape(-1, 32)
     span = groups.max(axis=1) - groups.min(axis=1)
     step = q.scales.astype(np.float32).reshape(-1)
-    # the bound the README states: half a step, and a step is range / 255 (rounded up)
+    # the bound docs/guides/gguf-and-prepare.md states: half a step, and a step is
+    # range / 255 (rounded up)
     assert (error.max(axis=1) <= step / 2 * (1 + 1e-5) + 1e-9).all()
     assert (step <= span / 255 * (1 + 2**-9) + 2e-7).all()
     # a mean error well inside it: nearest rounding, no bias

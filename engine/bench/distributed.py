@@ -12,7 +12,7 @@ layers.
 
 On one machine both ranks share its cores, and MLX's ring backend polls its
 socket while a receive is pending, so the waiting rank takes CPU from the
-computing one: this overstates what two machines pay (see the README).
+computing one: this overstates what two machines pay (docs/guides/several-machines.md).
 """
 
 from __future__ import annotations

@@ -268,7 +268,8 @@ class Belady:
 
 
 POLICIES = ("lru", "lfu")
-LFU_HALF_LIFE_TOKENS = 4.0  # tuned on recorded traces (see README): 2-8 tokens do about as well
+# Tuned on recorded traces (docs/benchmarks/expert-cache.md): 2-8 tokens do about as well.
+LFU_HALF_LIFE_TOKENS = 4.0
 
 
 def make_policy(name: str, accesses_per_token: int | None = None) -> Policy:

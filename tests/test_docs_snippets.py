@@ -1,0 +1,187 @@
+"""The docs site cannot rot: its guides' snippets run, its settings page is complete.
+
+Every `sh`/`bash` and `python` block of docs/index.md and docs/guides/ runs here
+against the default model (SmolLM2-135M-Instruct), served once for the module,
+with `127.0.0.1:8000` replaced by the test server's address. A block that cannot
+run on this machine (a Mac, a GPU, a big model, a real agent client, a server in
+the foreground) says so on the line before its fence: `<!-- not-run: why -->`.
+Shell blocks run under `set -euo pipefail` with a `curl` that fails on an HTTP
+error, so a snippet that gets an error object fails its test.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from flashserve.engine.weights.sources import default_model_path
+from flashserve.server.settings import Settings
+
+from .conftest import REPO, Server, start_server, stop_server
+
+DOCS = REPO / "docs"
+PAGES = [DOCS / "index.md", *sorted((DOCS / "guides").rglob("*.md"))]
+RUN_LANGS = {"sh": "sh", "bash": "sh", "shell": "sh", "python": "python", "py": "python"}
+FENCE = re.compile(r"^```(\w*)[^\n]*$")
+NOT_RUN = re.compile(r"^<!-- not-run: (.+?) -->$")
+SNIPPET_TIMEOUT_S = 180
+# Shell blocks: fail on the first failing command, and on any HTTP error status.
+SH_PREAMBLE = 'set -euo pipefail\ncurl() { command curl -fsS "$@"; }\n'
+
+
+@dataclass(frozen=True)
+class Snippet:
+    page: Path
+    line: int
+    lang: str  # "sh" or "python"; other languages are never run
+    code: str
+    not_run: str | None  # the reason, when marked
+
+    @property
+    def name(self) -> str:
+        return f"{self.page.relative_to(DOCS)}:{self.line}"
+
+
+def snippets(pages: list[Path] = PAGES) -> list[Snippet]:
+    """Every fenced shell or Python block of the pages, with its not-run mark."""
+    found = []
+    for page in pages:
+        lines = page.read_text().splitlines()
+        i = 0
+        while i < len(lines):
+            match = FENCE.match(lines[i])
+            if not match:
+                i += 1
+                continue
+            end = i + 1
+            while end < len(lines) and not lines[end].startswith("```"):
+                end += 1
+            lang = RUN_LANGS.get(match.group(1).lower())
+            if lang:
+                mark = NOT_RUN.match(lines[i - 1].strip()) if i else None
+                code = "\n".join(lines[i + 1 : end]) + "\n"
+                found.append(Snippet(page, i + 1, lang, code, mark.group(1) if mark else None))
+            i = end + 1
+    return found
+
+
+RUNNABLE = [s for s in snippets() if s.not_run is None]
+
+
+@pytest.fixture(scope="module")
+def docs_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    default_model_path()  # the README's test command installs it: missing is a failure
+    # The prompt cache on (the prompt-cache guide shows a hit); replies kept short.
+    workdir = tmp_path_factory.mktemp("docs-server")
+    server = start_server(
+        None, workdir, "--prompt-cache-bytes", "200MB", "--default-max-tokens", "64"
+    )
+    yield server
+    stop_server(server)
+
+
+def run_snippet(snippet: Snippet, server: Server, cwd: Path) -> subprocess.CompletedProcess:
+    code = snippet.code.replace("127.0.0.1:8000", server.url.removeprefix("http://"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLASHSERVE_")}
+    # `flashserve` and `python` are this environment's, as after the install command.
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    if snippet.lang == "sh":
+        cmd = ["bash", "-c", SH_PREAMBLE + code]
+    else:
+        cmd = [sys.executable, "-c", code]
+    return subprocess.run(
+        cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=SNIPPET_TIMEOUT_S
+    )
+
+
+@pytest.mark.parametrize("snippet", RUNNABLE, ids=[s.name for s in RUNNABLE])
+def test_guide_snippet_runs(snippet: Snippet, docs_server: Server, tmp_path: Path) -> None:
+    result = run_snippet(snippet, docs_server, tmp_path)
+    detail = f"{snippet.name}\n{snippet.code}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    assert result.returncode == 0, detail
+    # A guide's snippet shows the reader something; silence means it did nothing visible.
+    assert result.stdout.strip(), detail
+
+
+def test_snippet_extraction_and_marks(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text(
+        "text\n```sh\necho run\n```\n<!-- not-run: needs a GPU -->\n```python\nprint(1)\n```\n"
+        "```toml\nkey = 1\n```\n```\nplain\n```\n"
+    )
+    found = snippets([page])
+    assert [(s.lang, s.code, s.not_run) for s in found] == [
+        ("sh", "echo run\n", None),
+        ("python", "print(1)\n", "needs a GPU"),
+    ]
+    assert [s.line for s in found] == [2, 6]
+
+
+def test_the_guides_have_runnable_snippets_and_every_mark_has_a_reason() -> None:
+    everything = snippets()
+    pages = {s.page.relative_to(DOCS).as_posix() for s in RUNNABLE}
+    # The quick start and the guides that run here keep their snippets runnable.
+    for page in ("index.md", "guides/gguf-and-prepare.md", "guides/prompt-cache.md"):
+        assert page in pages, page
+    assert len(RUNNABLE) >= 8
+    for s in everything:
+        assert s.not_run is None or len(s.not_run) > 5, s.name
+    # A mark that is not on the line right before a fence marks nothing: a typo.
+    for page in PAGES:
+        lines = page.read_text().splitlines()
+        for i, line in enumerate(lines):
+            if "not-run" in line:
+                assert NOT_RUN.match(line.strip()), f"{page}:{i + 1}: {line}"
+                assert i + 1 < len(lines) and FENCE.match(lines[i + 1]), f"{page}:{i + 1}"
+
+
+def _settings_hook():
+    path = REPO / "docs_hooks" / "settings_reference.py"
+    spec = importlib.util.spec_from_file_location("settings_reference", path)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_generated_settings_page_lists_every_setting(tmp_path: Path) -> None:
+    """The strict build passes, and its settings page has one row per setting."""
+    site = tmp_path / "site"
+    build = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(site)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert build.returncode == 0, build.stdout + build.stderr
+    page = (site / "reference" / "settings" / "index.html").read_text()
+    assert "settings-table" not in page  # the placeholder was replaced
+    rows = re.findall(r"<tr>\s*<td><code>([a-z_]+)</code></td>", page)
+    assert sorted(rows) == sorted(Settings.model_fields)
+    # Each row carries its default and its environment variable.
+    markdown = _settings_hook().render_settings()
+    for name, field in Settings.model_fields.items():
+        (row,) = [line for line in markdown.splitlines() if line.startswith(f"| `{name}` |")]
+        assert f"FLASHSERVE_{name.upper()}" in row
+        if isinstance(field.default, (int, float)) and not isinstance(field.default, bool):
+            assert f"`{field.default}`" in row, row
+        cells = [c.strip() for c in row.strip("|").split(" | ")]
+        assert cells[4], f"{name} has no meaning on the settings page"
+
+
+def test_readme_test_command_is_what_ci_runs() -> None:
+    readme = (REPO / "README.md").read_text()
+    ci = (REPO / ".ci" / "run").read_text()
+    (command,) = [line for line in ci.splitlines() if line.startswith("python3 -m venv")]
+    assert command in readme.splitlines()
+    assert "mkdocs build --strict" in command
+    assert len(readme.splitlines()) <= 260
