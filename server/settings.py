@@ -71,7 +71,9 @@ class Settings(BaseSettings):
     shed_floor: int = Field(300_000_000, description="available memory under which to shed")
 
     # MoE expert offload
-    expert_cache: str | None = Field(None, description="slots (2048) or bytes (3GB)")
+    expert_cache: str | None = Field(
+        None, description="slots (2048), bytes (3GB), or auto: planned from the memory limit"
+    )
     expert_policy: Literal["lru", "lfu"] = "lru"
     expert_threads: int = Field(8, ge=1, le=64)
     expert_prefetch: Literal["none", "next-layer"] = "none"

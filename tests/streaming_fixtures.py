@@ -30,6 +30,22 @@ BIG_LLAMA = {
 }
 
 
+# ~245 MB qwen3_moe with 4-bit weights: 8 layers x 64 experts of ~0.47 MB, top-8.
+# Its experts (240 MB) are more than a 400 MB cgroup leaves them (the server
+# itself takes ~80 MB before the model), so the expert cache must be planned.
+BIG_MOE = {
+    "hidden_size": 512,
+    "moe_intermediate_size": 512,
+    "intermediate_size": 1024,
+    "num_hidden_layers": 8,
+    "num_experts": 64,
+    "num_experts_per_tok": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+}
+
+
 def _memo(factory: pytest.TempPathFactory, key: str, build) -> Path:
     with _lock:
         if key not in _built:
@@ -53,6 +69,16 @@ def big_llama(factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     src = _memo(factory, "src-big", lambda d: make_model_dir(d, "llama", overrides=BIG_LLAMA))
     prep = _memo(factory, "prep-big", lambda d: prepare(str(src), d, force=True))
     return src, prep
+
+
+def big_moe(factory: pytest.TempPathFactory) -> Path:
+    """The prepared ~245 MB qwen3_moe (4-bit, built quantized: no float32 copy on disk)."""
+    src = _memo(
+        factory,
+        "src-big-moe",
+        lambda d: make_model_dir(d, "qwen3_moe", overrides=BIG_MOE, quantize_bits=4),
+    )
+    return _memo(factory, "prep-big-moe", lambda d: prepare(str(src), d, force=True))
 
 
 def default_gguf_prepared(factory: pytest.TempPathFactory) -> Path:

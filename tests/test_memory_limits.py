@@ -139,8 +139,8 @@ V1_MEMORY = Path("/sys/fs/cgroup/memory")
 LIMIT = 256 * MB
 
 
-def _make_group() -> Path:
-    """A fresh cgroup v1 memory group (root, v1 memory controller), or skip."""
+def _make_group(limit: int = LIMIT) -> Path:
+    """A fresh cgroup v1 memory group of `limit` bytes (root, v1 memory controller), or skip."""
     if sys.platform != "linux":
         pytest.skip("cgroups are Linux only")
     if os.geteuid() != 0:
@@ -150,7 +150,7 @@ def _make_group() -> Path:
     group = V1_MEMORY / f"flashserve-test-{os.getpid()}"
     try:
         group.mkdir()
-        (group / "memory.limit_in_bytes").write_text(str(LIMIT))
+        (group / "memory.limit_in_bytes").write_text(str(limit))
     except OSError as exc:
         with contextlib.suppress(OSError):
             group.rmdir()
@@ -219,9 +219,13 @@ def test_server_in_a_cgroup_plans_within_its_limit(tmp_path_factory, tmp_path):
     finally:
         if server is not None:
             stop_server(server)
-        for _ in range(50):  # the group empties once the process is reaped
-            try:
-                group.rmdir()
-                break
-            except OSError:
-                time.sleep(0.1)
+        _remove_group(group)
+
+
+def _remove_group(group: Path) -> None:
+    for _ in range(50):  # the group empties once the process is reaped
+        try:
+            group.rmdir()
+            return
+        except OSError:
+            time.sleep(0.1)

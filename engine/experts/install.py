@@ -189,6 +189,8 @@ def install_expert_offload(
         drop_page_cache=drop_page_cache,
         io_timeout=io_timeout,
     )
+    # Spare record buffers beyond the prefill's reads in flight only hold memory.
+    store.max_free = max(2 * threads, 4)
     # LFU's half-life is counted in decoded tokens: one token uses top-k experts per layer.
     cache_policy = make_policy(policy, accesses_per_token=sum(i.top_k for i in infos.values()))
 

@@ -84,6 +84,19 @@ def process_rss() -> int:
         return 0
 
 
+def process_private() -> int:
+    """This process's private resident memory (RssAnon: heap, MLX buffers, weights
+    read into memory; not the page cache of the files it reads). 0 off Linux."""
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
 def system_memory(cgroup_root: Path | None = None, self_cgroup: Path = SELF_CGROUP) -> SystemMemory:
     """Total and available memory in bytes for this process: the host's
     (available: what can be allocated without swapping, MemAvailable on
@@ -297,6 +310,12 @@ class MemoryReport:
     shedding_events: list[dict] = field(default_factory=list)
     plan: dict | None = None  # ResidencyPlan as a dict (N, layers, inputs); None: not streamed
     streaming: dict | None = None  # StreamStats as a dict; None: not streamed
+    private_bytes: int = 0  # RssAnon: what the kernel cannot drop (Linux)
+    expert_cache_bytes: int = 0  # experts held by the expert cache
+    # private - resident weights - expert cache - KV: the runtime's own memory
+    # (MLX's pool, buffers, the prompt cache's memory tier, Python)
+    overhead_bytes: int = 0
+    memory_plan: dict | None = None  # streaming/memplan.py's plan (--expert-cache auto)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -320,7 +339,16 @@ def memory_report(
     layout = _streamed_layout(streamer) if streamer is not None else _resident_layout(loaded)
     sysmem = system_memory()
     mlxmem = mlx_memory()
+    kv = kv_cache_bytes if kv_cache_bytes is not None else kv_cache_nbytes(prompt_caches)
+    experts = getattr(loaded, "experts", None)
+    expert_bytes = int(experts.cache.nbytes) if experts is not None else 0
+    private = process_private()
+    plan = getattr(streamer, "memory_plan", None)
     return MemoryReport(
+        private_bytes=private,
+        expert_cache_bytes=expert_bytes,
+        overhead_bytes=max(0, private - layout["resident_weight_bytes"] - expert_bytes - kv),
+        memory_plan=plan.to_dict() if plan is not None else None,
         rss_bytes=process_rss(),
         system_total_bytes=sysmem.total,
         system_available_bytes=sysmem.available,
@@ -330,9 +358,7 @@ def memory_report(
         mlx_peak_bytes=mlxmem.peak,
         mlx_cache_bytes=mlxmem.cache,
         prompt_cache_bytes=prompt_cache_bytes,
-        kv_cache_bytes=(
-            kv_cache_bytes if kv_cache_bytes is not None else kv_cache_nbytes(prompt_caches)
-        ),
+        kv_cache_bytes=kv,
         **layout,
     )
 

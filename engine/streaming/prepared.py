@@ -19,6 +19,7 @@ from mlx.utils import tree_flatten
 
 from flashserve.engine.config import EngineConfig
 from flashserve.engine.experts.install import offload_from_config
+from flashserve.engine.streaming.memplan import apply_memory_plan, is_auto
 from flashserve.engine.streaming.residency import ResidencyManager, fmt_bytes, plan_residency
 from flashserve.engine.streaming.streamer import EMPTY, LayerInfo, LayerStreamer, Slot
 from flashserve.engine.weights.layout import (
@@ -159,6 +160,11 @@ def runtime_reserve(config: dict, engine: EngineConfig) -> int:
     """
     if "runtime_reserve" in engine.extra:
         return int(engine.extra["runtime_reserve"])
+    return 256 * 1024 * 1024 + activation_bytes(config, engine)
+
+
+def activation_bytes(config: dict, engine: EngineConfig) -> int:
+    """A prefill chunk's attention scores and activations, and a full batch's logits."""
     text = config.get("text_config") or {}
     hidden = int(config.get("hidden_size", text.get("hidden_size", 4096)))
     heads = int(config.get("num_attention_heads", text.get("num_attention_heads", 32)))
@@ -166,7 +172,7 @@ def runtime_reserve(config: dict, engine: EngineConfig) -> int:
     step = int(engine.prefill_step_size)
     activations = step * hidden * 4 * 16 + heads * step * step * 4 * 2
     logits = engine.max_batch * vocab * 4 * 4
-    return 256 * 1024 * 1024 + activations + logits
+    return activations + logits
 
 
 def load_prepared(path: Path, config: EngineConfig) -> LoadedModel:
@@ -221,11 +227,24 @@ def load_prepared(path: Path, config: EngineConfig) -> LoadedModel:
         # are planned and streamed without them.
         streamer.detach_experts()
     context_length = context_length_of(model_config)
+    layer_bytes = [streamer.layer_bytes(i) for i in range(len(infos))]
+    kv_per_token = kv_bytes_per_token(model, model_config)
+    if is_auto(config.expert_cache):
+        # The memory plan writes its numbers into `config` (the worker's too).
+        streamer.memory_plan = apply_memory_plan(
+            config,
+            manifest,
+            model_config,
+            layer_bytes=layer_bytes,
+            kv_bytes_per_token=kv_per_token,
+            context_length=context_length,
+            activations=activation_bytes(model_config, config),
+        )
     plan = plan_residency(
         config,
-        layer_bytes=[streamer.layer_bytes(i) for i in range(len(infos))],
+        layer_bytes=layer_bytes,
         non_layer_bytes=non_layer_bytes,
-        kv_bytes_per_token=kv_bytes_per_token(model, model_config),
+        kv_bytes_per_token=kv_per_token,
         context_length=context_length,
         runtime_reserve=runtime_reserve(model_config, config),
     )

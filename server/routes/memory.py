@@ -58,6 +58,14 @@ class MemoryResponse(BaseModel):
     )
     shedding_events: list[dict] = Field(description="resident layers shed under pressure")
     plan: dict | None = Field(description="the residency plan and its inputs; null: all resident")
+    private_bytes: int = Field(description="private resident memory (RssAnon; 0 off Linux)")
+    expert_cache_bytes: int = Field(description="experts held by the expert cache")
+    overhead_bytes: int = Field(
+        description="private memory besides resident weights, the expert cache and KV"
+    )
+    memory_plan: dict | None = Field(
+        description="--expert-cache auto: the split of the memory limit and why; null: not asked"
+    )
     streaming: dict | None = Field(description="streamed-layer counters; null: all resident")
     batch: BatchView
     distributed: dict | None = Field(

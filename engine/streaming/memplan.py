@@ -1,0 +1,315 @@
+"""The memory plan behind `--expert-cache auto`: the memory this process may use,
+divided between resident layers, the expert cache, KV and the prompt cache.
+
+An MoE model larger than memory runs well only when most of what it may use
+holds experts: every routed expert the cache misses is a read from disk. So
+the plan starts from the real limit (the cgroup's where there is one, else
+the host's available memory; streaming/memory.py) and takes out, in order:
+
+* what is in use already (`limit - available` at load: the interpreter, the
+  server, MLX, the non-layer weights just loaded);
+* the shed floor and as much again as headroom, so the steady state never
+  trips shedding (the floor itself shrinks with the limit: 4% of it, at
+  least 32 MB, never more than the configured floor);
+* the runtime reserve: MLX's buffer pool (its cache limit is set to the
+  number planned here; MLX's default is the whole host's memory), a prefill
+  chunk's activations, the expert reads in flight and the store's spare
+  record buffers, and a measured margin for the Python heap (RUNTIME_BASE);
+* KV for `residency_mode`'s tokens (balanced: 1024), and the prompt cache's
+  memory tier: one such context (the disk tier keeps the rest);
+* dense layers (attention, norms, router: the layers without their experts)
+  resident before any expert is cached: a resident dense byte saves one byte
+  read per token, an expert-cache byte at most top_k / num_experts of one
+  (uniform routing), so dense layers go first;
+* what is left is the expert cache (never more than all experts, never less
+  than one layer's top-k twice).
+
+The plan, its inputs and the reason for each number are logged at load and
+served in GET /memory (`memory_plan`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import sys
+from dataclasses import asdict, dataclass, field
+
+import mlx.core as mx
+
+from flashserve.engine.config import EngineConfig
+from flashserve.engine.streaming.memory import system_memory
+from flashserve.engine.streaming.residency import MODES, fmt_bytes
+
+log = logging.getLogger(__name__)
+
+MB = 1024 * 1024
+FLOOR_FRACTION = 0.04  # of the limit: the shed floor under a small limit
+MIN_FLOOR = 32 * MB
+# Measured on a tiny MoE served in a cgroup (docs/guides/memory-cap.md): the
+# private memory a served request adds besides weights, KV, experts, MLX's pool
+# and the activations counted below (Python objects, tokenizer and HTTP state).
+RUNTIME_BASE = 48 * MB
+MLX_CACHE_FRACTION = 0.03  # MLX's buffer pool: 3% of the limit ...
+MLX_CACHE_MAX = 64 * MB  # ... at most this; freed buffers past it go back to the OS
+EXPERT_SAFETY = 0.95  # of the room left: allocator slack and page rounding
+GROUP_FRACTION = 0.08  # of the limit: hidden states a layer-major prefill may hold
+# glibc serves blocks from its arenas up to a threshold that grows to the largest
+# block freed (up to 32 MB): a prefill's activations then stay in the arenas as
+# free memory it keeps. A fixed threshold puts large blocks in their own maps,
+# given back when freed (measured: 95 MB less private memory after one prefill).
+MMAP_THRESHOLD = 256 * 1024
+_M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
+
+
+@dataclass
+class ModelShape:
+    """What the plan needs to know of a model (prepared manifest + config)."""
+
+    layer_bytes: list[int]  # per decoder layer, without its experts
+    expert_bytes: int  # all experts of all layers
+    record_bytes: int  # the largest expert record
+    top_k: int  # experts per token per layer
+    num_experts: int  # per layer
+    kv_bytes_per_token: int
+    activation_bytes: int  # a prefill chunk's activations and logits (runtime_reserve)
+    prefetch_depth: int = 2
+    io_window: int = 16  # expert records in flight during a prefill
+
+
+@dataclass
+class MemoryPlan:
+    limit_bytes: int
+    limit_source: str  # "host" or "cgroup v1/v2 <dir>"
+    available_bytes: int  # room left at plan time
+    in_use_bytes: int  # limit - available: what was in use already
+    shed_floor_bytes: int
+    headroom_bytes: int
+    mlx_cache_limit_bytes: int
+    runtime_reserve_bytes: int
+    kv_reserve_bytes: int
+    kv_reserve_tokens: int
+    prompt_cache_bytes: int
+    num_layers: int
+    resident_layers: int
+    resident_layer_bytes: int
+    stream_buffer_bytes: int
+    expert_cache_bytes: int
+    expert_total_bytes: int
+    reasons: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def describe(self) -> str:
+        share = self.expert_cache_bytes / self.limit_bytes if self.limit_bytes else 0.0
+        return (
+            f"memory plan: limit {fmt_bytes(self.limit_bytes)} ({self.limit_source}), "
+            f"in use {fmt_bytes(self.in_use_bytes)}, shed floor "
+            f"{fmt_bytes(self.shed_floor_bytes)} + headroom {fmt_bytes(self.headroom_bytes)}, "
+            f"runtime {fmt_bytes(self.runtime_reserve_bytes)} (MLX pool "
+            f"{fmt_bytes(self.mlx_cache_limit_bytes)}), KV {fmt_bytes(self.kv_reserve_bytes)} "
+            f"({self.kv_reserve_tokens} tokens), "
+            f"prompt cache {fmt_bytes(self.prompt_cache_bytes)}, "
+            f"{self.resident_layers}/{self.num_layers} dense layers resident "
+            f"{fmt_bytes(self.resident_layer_bytes)}, stream buffers "
+            f"{fmt_bytes(self.stream_buffer_bytes)}, expert cache "
+            f"{fmt_bytes(self.expert_cache_bytes)} of {fmt_bytes(self.expert_total_bytes)} "
+            f"({share:.0%} of the limit)"
+        )
+
+
+def plan_memory(
+    shape: ModelShape,
+    *,
+    limit: int,
+    available: int,
+    source: str,
+    shed_floor: int,
+    kv_tokens: int,
+    prompt_cache_bytes: int,
+    resident_layers: int | None = None,
+) -> MemoryPlan:
+    """Divide `available` (of `limit`) as the module doc says.
+
+    `resident_layers`: a layer count fixed by the user (None: dense layers
+    first, as many as fit). Never raises: a limit too small for the minimum
+    still gets a plan (the minimum expert cache), with a warning in `reasons`.
+    """
+    reasons = []
+    floor = min(int(shed_floor), max(MIN_FLOOR, int(limit * FLOOR_FRACTION)))
+    reasons.append(
+        f"shed floor {fmt_bytes(floor)}: 4% of the limit (at least 32 MB, at most the "
+        f"configured {fmt_bytes(shed_floor)}), and as much again as headroom"
+    )
+    mlx_cache = min(MLX_CACHE_MAX, int(limit * MLX_CACHE_FRACTION))
+    io_buffers = 2 * shape.io_window * shape.record_bytes  # in flight + the spare pool
+    runtime = RUNTIME_BASE + mlx_cache + shape.activation_bytes + io_buffers
+    reasons.append(
+        f"runtime {fmt_bytes(runtime)}: base {fmt_bytes(RUNTIME_BASE)} (measured), MLX pool "
+        f"{fmt_bytes(mlx_cache)}, activations {fmt_bytes(shape.activation_bytes)}, expert "
+        f"reads {fmt_bytes(io_buffers)} (2 x {shape.io_window} records)"
+    )
+    kv = kv_tokens * shape.kv_bytes_per_token
+    prompt = min(int(prompt_cache_bytes), kv)
+    reasons.append(
+        f"prompt cache memory tier {fmt_bytes(prompt)}: one context of {kv_tokens} tokens "
+        "(older states live on the disk tier)"
+    )
+    room = available - 2 * floor - runtime - kv - prompt
+    min_experts = 2 * shape.top_k * shape.record_bytes
+    num_layers = len(shape.layer_bytes)
+    largest = max(shape.layer_bytes, default=0)
+    buffers = (shape.prefetch_depth + 1) * largest
+    if resident_layers is None:
+        count = num_layers
+        while (
+            count > 0
+            and sum(shape.layer_bytes[:count])
+            + (buffers if count < num_layers else 0)
+            + min_experts
+            > room
+        ):
+            count -= 1
+        reasons.append(
+            "dense layers resident first: a resident byte saves a byte read per token, "
+            f"an expert-cache byte at most {shape.top_k}/{shape.num_experts} of one"
+        )
+    else:
+        count = max(0, min(int(resident_layers), num_layers))
+        reasons.append(f"{count} resident layers as configured")
+    dense = sum(shape.layer_bytes[:count])
+    stream = buffers if count < num_layers else 0
+    experts = int((room - dense - stream) * EXPERT_SAFETY)
+    if experts > shape.expert_bytes:
+        reasons.append("every expert fits: the cache holds them all")
+        experts = shape.expert_bytes
+    if experts < min_experts:
+        reasons.append(
+            f"WARNING: the limit leaves {fmt_bytes(max(experts, 0))} for experts; using the "
+            f"minimum {fmt_bytes(min_experts)} (2 x top-{shape.top_k}): expect shedding"
+        )
+        experts = min_experts
+    return MemoryPlan(
+        limit_bytes=int(limit),
+        limit_source=source,
+        available_bytes=int(available),
+        in_use_bytes=max(0, int(limit) - int(available)),
+        shed_floor_bytes=floor,
+        headroom_bytes=floor,
+        mlx_cache_limit_bytes=mlx_cache,
+        runtime_reserve_bytes=runtime,
+        kv_reserve_bytes=kv,
+        kv_reserve_tokens=kv_tokens,
+        prompt_cache_bytes=prompt,
+        num_layers=num_layers,
+        resident_layers=count,
+        resident_layer_bytes=dense,
+        stream_buffer_bytes=stream,
+        expert_cache_bytes=experts,
+        expert_total_bytes=shape.expert_bytes,
+        reasons=reasons,
+    )
+
+
+def shape_from_manifest(
+    manifest: dict,
+    layer_bytes: list[int],
+    model_config: dict,
+    *,
+    kv_bytes_per_token: int,
+    activation_bytes: int,
+    prefetch_depth: int,
+    io_window: int,
+) -> ModelShape:
+    """The plan's view of a prepared model: its experts from the manifest."""
+    switches = [
+        sw
+        for entry in manifest["layers"]
+        for sw in (entry.get("experts") or {}).get("switches", [])
+    ]
+    text = model_config.get("text_config") or {}
+    top_k = int(model_config.get("num_experts_per_tok") or text.get("num_experts_per_tok") or 1)
+    return ModelShape(
+        layer_bytes=list(layer_bytes),
+        expert_bytes=sum(int(sw["num_experts"]) * int(sw["record_bytes"]) for sw in switches),
+        record_bytes=max((int(sw["record_bytes"]) for sw in switches), default=0),
+        top_k=top_k,
+        num_experts=max((int(sw["num_experts"]) for sw in switches), default=1),
+        kv_bytes_per_token=kv_bytes_per_token,
+        activation_bytes=activation_bytes,
+        prefetch_depth=prefetch_depth,
+        io_window=io_window,
+    )
+
+
+def is_auto(spec: object) -> bool:
+    """Whether an `expert_cache` setting asks for the memory plan."""
+    return isinstance(spec, str) and spec.strip().lower() == "auto"
+
+
+def apply_memory_plan(
+    config: EngineConfig,
+    manifest: dict,
+    model_config: dict,
+    *,
+    layer_bytes: list[int],
+    kv_bytes_per_token: int,
+    context_length: int,
+    activations: int,
+) -> MemoryPlan:
+    """Plan from this process's real limit and write the plan into `config`.
+
+    The numbers replace "auto" in the config the worker reads too (resident
+    layers, expert cache bytes, shed floor, the prompt cache's memory tier, the
+    layer-major prefill's activations), and MLX's buffer pool is capped. Logs
+    the plan and its reasons.
+    """
+    memory = system_memory()
+    group = min(int(config.prefill_group_bytes), max(MIN_FLOOR, int(memory.total * GROUP_FRACTION)))
+    shape = shape_from_manifest(
+        manifest,
+        layer_bytes,
+        model_config,
+        kv_bytes_per_token=kv_bytes_per_token,
+        activation_bytes=activations + group,
+        prefetch_depth=max(0, int(config.prefetch_depth)),
+        io_window=max(2 * int(config.expert_threads), 4),  # experts/offload.py's prefill window
+    )
+    plan = plan_memory(
+        shape,
+        limit=memory.total,
+        available=memory.available,
+        source=memory.limit_source,
+        shed_floor=int(config.shed_floor),
+        kv_tokens=MODES.get(config.residency_mode) or context_length,
+        prompt_cache_bytes=int(config.prompt_cache_bytes),
+        resident_layers=config.resident_layers,
+    )
+    config.expert_cache = f"{plan.expert_cache_bytes}B"
+    config.resident_layers = plan.resident_layers
+    config.memory_budget = None
+    config.shed_floor = plan.shed_floor_bytes
+    config.prompt_cache_bytes = plan.prompt_cache_bytes
+    config.prefill_group_bytes = group
+    mx.set_cache_limit(plan.mlx_cache_limit_bytes)
+    if _fix_mmap_threshold():
+        plan.reasons.append(
+            f"large blocks ({MMAP_THRESHOLD // 1024} KB and up) mapped on their own: "
+            "freed activations go back to the system"
+        )
+    log.info(plan.describe())
+    for reason in plan.reasons:
+        log.info("memory plan: %s", reason)
+    return plan
+
+
+def _fix_mmap_threshold() -> bool:
+    """Set glibc's mmap threshold (see MMAP_THRESHOLD); False where there is no glibc."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+    except (OSError, AttributeError):
+        return False

@@ -1,0 +1,134 @@
+"""`--expert-cache auto`: the memory plan (streaming/memplan.py) on its own, and a
+real server planning a MoE larger than its real cgroup v1 limit.
+"""
+
+from __future__ import annotations
+
+import json
+
+from flashserve.engine.streaming.memplan import MIN_FLOOR, ModelShape, plan_memory
+from tests.conftest import NO_EOS, stop_server
+from tests.streaming_fixtures import big_moe
+from tests.test_memory_limits import _make_group, _remove_group, _start_in_group
+
+MB = 1024 * 1024
+
+
+def _shape(**changes: object) -> ModelShape:
+    shape = ModelShape(
+        layer_bytes=[10 * MB] * 8,
+        expert_bytes=2000 * MB,
+        record_bytes=3 * MB,
+        top_k=8,
+        num_experts=64,
+        kv_bytes_per_token=64 * 1024,
+        activation_bytes=100 * MB,
+    )
+    for key, value in changes.items():
+        setattr(shape, key, value)
+    return shape
+
+
+def _plan(shape: ModelShape, available: int, **kwargs: object):
+    args = {
+        "limit": 1200 * MB,
+        "available": available,
+        "source": "cgroup v1 /x",
+        "shed_floor": 300_000_000,
+        "kv_tokens": 1024,
+        "prompt_cache_bytes": 1_000_000_000,
+    }
+    args.update(kwargs)
+    return plan_memory(shape, **args)
+
+
+def test_the_plan_fits_what_is_available_dense_layers_first() -> None:
+    plan = _plan(_shape(), available=1000 * MB)
+    # A small limit gets a small floor: 4% of it, not the configured 300 MB.
+    assert plan.shed_floor_bytes == int(1200 * MB * 0.04)
+    assert plan.kv_reserve_bytes == plan.prompt_cache_bytes == 1024 * 64 * 1024
+    assert plan.resident_layers == 8 and plan.stream_buffer_bytes == 0
+    planned = (
+        plan.shed_floor_bytes
+        + plan.headroom_bytes
+        + plan.runtime_reserve_bytes
+        + plan.kv_reserve_bytes
+        + plan.prompt_cache_bytes
+        + plan.resident_layer_bytes
+        + plan.expert_cache_bytes
+    )
+    assert planned <= 1000 * MB
+    assert plan.expert_cache_bytes >= 0.9 * (1000 * MB - (planned - plan.expert_cache_bytes))
+    assert plan.in_use_bytes == 200 * MB
+    assert any("dense layers resident first" in r for r in plan.reasons)
+
+
+def test_experts_never_get_more_than_all_experts_nor_less_than_twice_top_k() -> None:
+    roomy = _plan(_shape(expert_bytes=100 * MB), available=1000 * MB)
+    assert roomy.expert_cache_bytes == 100 * MB
+    assert any("every expert fits" in r for r in roomy.reasons)
+    tight = _plan(_shape(), available=200 * MB, limit=250 * MB)
+    assert tight.shed_floor_bytes == MIN_FLOOR
+    assert tight.expert_cache_bytes == 2 * 8 * 3 * MB
+    assert tight.resident_layers < 8  # dense layers gave way, down to the minimum
+    assert any(r.startswith("WARNING") for r in tight.reasons)
+
+
+def test_a_configured_layer_count_is_kept() -> None:
+    plan = _plan(_shape(), available=1000 * MB, resident_layers=3)
+    assert plan.resident_layers == 3 and plan.resident_layer_bytes == 30 * MB
+    assert plan.stream_buffer_bytes == 3 * 10 * MB  # (prefetch depth 2 + 1) x the largest
+
+
+CAP = 400 * MB
+
+
+def test_auto_plan_under_a_cgroup_limit_serves_within_it(tmp_path_factory, tmp_path) -> None:
+    prepared = big_moe(tmp_path_factory)
+    manifest = json.loads((prepared / "manifest.json").read_text())
+    assert manifest["total_bytes"] > CAP // 2
+    group = _make_group(CAP)
+    server = None
+    try:
+        server = _start_in_group(
+            group,
+            prepared,
+            tmp_path,
+            "--expert-cache",
+            "auto",
+            "--prompt-cache-bytes",
+            "1GB",
+            "--prompt-cache-dir",
+            str(tmp_path / "prompt-cache"),
+        )
+        http = server.http(timeout=300)
+        memory = http.get("/memory").json()
+        plan = memory["memory_plan"]
+        assert plan["limit_bytes"] == CAP
+        assert plan["limit_source"] == f"cgroup v1 {group}"
+        # The experts do not all fit: the cache takes what the limit leaves them.
+        assert 2 * 8 * 0.4 * MB < plan["expert_cache_bytes"] < plan["expert_total_bytes"]
+        assert plan["shed_floor_bytes"] < 300_000_000
+        log = server.log_tail(200_000)
+        assert "memory plan: limit 400.00 MB (cgroup v1" in log
+        assert "memory plan: dense layers resident first" in log
+        stats = http.get("/cache/stats").json()
+        assert stats["capacity_bytes"] == plan["expert_cache_bytes"]
+        prompt = [20 + i % 280 for i in range(600)]  # the tiny vocabulary has 320 tokens
+        for _ in range(2):
+            body = {"prompt": prompt, "max_tokens": 24, "temperature": 0, "logit_bias": NO_EOS}
+            reply = http.post("/v1/completions", json=body)
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["usage"]["completion_tokens"] == 24
+            prompt = [*prompt, *range(300, 310)]
+        memory = http.get("/memory").json()
+        assert memory["shedding_events"] == []  # the plan left room: nothing was shed
+        assert 0 < memory["expert_cache_bytes"] <= plan["expert_cache_bytes"]
+        assert memory["overhead_bytes"] > 0
+        assert server.process.poll() is None  # not killed
+        assert "oom_kill 0" in (group / "memory.oom_control").read_text()
+        assert int((group / "memory.max_usage_in_bytes").read_text()) <= CAP
+    finally:
+        if server is not None:
+            stop_server(server)
+        _remove_group(group)
