@@ -33,6 +33,30 @@ RUN_LANGS = {"sh": "sh", "bash": "sh", "shell": "sh", "python": "python", "py": 
 FENCE = re.compile(r"^```(\w*)[^\n]*$")
 NOT_RUN = re.compile(r"^<!-- not-run: (.+?) -->$")
 SNIPPET_TIMEOUT_S = 120
+# Where the sections of the old, long README went (issue 45).
+MOVED_FROM_README = [
+    "guides/larger-than-memory.md",
+    "guides/gguf-and-prepare.md",
+    "guides/prompt-cache.md",
+    "guides/agents/index.md",
+    "guides/code-completion.md",
+    "guides/tools-and-structured-output.md",
+    "guides/clients.md",
+    "guides/running-for-others.md",
+    "guides/several-machines.md",
+    "guides/cpu-and-gpu.md",
+    "reference/settings.md",
+    "reference/commands.md",
+    "reference/endpoints.md",
+    "reference/monitoring.md",
+    "benchmarks/index.md",
+    "benchmarks/expert-cache.md",
+    "benchmarks/prefill-from-disk.md",
+    "benchmarks/prompt-cache.md",
+    "benchmarks/decode.md",
+    "benchmarks/io.md",
+    "development.md",
+]
 # Shell blocks: fail on the first failing command, and on any HTTP error status.
 SH_PREAMBLE = 'set -euo pipefail\ncurl() { command curl -fsS "$@"; }\n'
 
@@ -189,3 +213,23 @@ def test_readme_test_command_is_what_ci_runs() -> None:
     assert command in readme.splitlines()
     assert "mkdocs build --strict" in command
     assert len(readme.splitlines()) <= 260
+
+
+def test_readme_links_reach_the_docs() -> None:
+    """Every link of the README lands on a file, and a heading where it names one."""
+    from markdown.extensions.toc import slugify
+
+    readme = (REPO / "README.md").read_text()
+    links = re.findall(r"\]\(([^)\s]+)\)", readme)
+    local = [link for link in links if not link.startswith(("http://", "https://"))]
+    assert len(local) > 20  # the README is mostly a map of the docs
+    for link in local:
+        path, _, anchor = link.partition("#")
+        target = REPO / path
+        assert target.is_file(), link
+        if anchor:
+            headings = re.findall(r"^#+ (.+)$", target.read_text(), flags=re.M)
+            assert anchor in {slugify(h, "-") for h in headings}, link
+    # The pages that took the long README's sections are one click from it.
+    for page in MOVED_FROM_README:
+        assert f"docs/{page}" in local, page
