@@ -2,11 +2,11 @@
 
 docs/reference/settings.md holds a placeholder; at build time it becomes one
 table per section of config.example.toml, one row per field of
-`flashserve.server.settings.Settings` (name, default, values, environment
-variable, meaning). The rows come from the object itself, so a setting added
-to it appears on the page without anyone editing the docs; the meaning is the
-field's description, else its comment in config.example.toml (which
-tests/test_settings.py keeps complete).
+`flashserve.server.settings.Settings` (name, default, values, meaning). The
+rows come from the object itself, so a setting added to it appears on the page
+without anyone editing the docs; the meaning is the field's description, else
+its comment in config.example.toml (which tests/test_settings.py keeps
+complete).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 from pydantic_core import PydanticUndefined
 
-from flashserve.server.settings import ENV_PREFIX, Settings
+from flashserve.server.settings import Settings
 
 PLACEHOLDER = "<!-- settings-table -->"
 EXAMPLE = Path(__file__).resolve().parent.parent / "config.example.toml"
@@ -103,12 +103,11 @@ def render_settings() -> str:
         if not names:
             continue
         out += [f"## {section[0].upper()}{section[1:]}", ""]
-        out += ["| setting | default | values | environment | meaning |", "|---|---|---|---|---|"]
+        out += ["| setting | default | values | meaning |", "|---|---|---|---|"]
         for name in names:
             field = Settings.model_fields[name]
             meaning = field.description or comments.get(name, "")
-            env = f"`{ENV_PREFIX}{name.upper()}`"
-            row = [f"`{name}`", _default(name), _values(name), env, _cell(meaning)]
+            row = [f"`{name}`", _default(name), _values(name), _cell(meaning)]
             out.append("| " + " | ".join(row) + " |")
         out.append("")
     return "\n".join(out)
