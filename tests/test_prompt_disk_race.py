@@ -12,6 +12,7 @@ the byte budget.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import mlx.core as mx
@@ -61,16 +62,15 @@ def test_an_entry_deleted_between_lookup_and_load_is_still_served(
     tier.close()
 
 
-def test_next_turn_sent_the_instant_an_answer_ends(tiny_llama_dir: Path, tmp_path: Path) -> None:
-    # A memory tier too small to hold a state: every turn looks its prefix up on disk.
-    server = start_server(
-        tiny_llama_dir,
-        tmp_path,
-        "--prompt-cache-bytes",
-        "1",
-        "--prompt-cache-disk-bytes",
-        "1GB",
+def _disk_only_server(model: Path, workdir: Path, disk_bytes: str):
+    """A memory tier too small to hold a state: every turn looks its prefix up on disk."""
+    return start_server(
+        model, workdir, "--prompt-cache-bytes", "1", "--prompt-cache-disk-bytes", disk_bytes
     )
+
+
+def test_next_turn_sent_the_instant_an_answer_ends(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    server = _disk_only_server(tiny_llama_dir, tmp_path, "1GB")
     try:
         http = server.http()
         prompt = "Turn zero. " * 8
@@ -82,5 +82,43 @@ def test_next_turn_sent_the_instant_an_answer_ends(tiny_llama_dir: Path, tmp_pat
         stats = http.get("/cache/stats").json()["prompt_cache"]
         assert stats["disk"]["hits"] > 0, stats
         assert "KeyError" not in server.log_tail(200_000)
+    finally:
+        stop_server(server)
+
+
+def test_next_turn_sent_on_the_final_chunk_while_the_writer_evicts(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    """Streaming: each next turn leaves the moment the chunk carrying finish_reason
+    arrives (before the stream's end), while the writer stores the answer and,
+    with a disk tier a few states large, evicts older chains to make room."""
+    server = _disk_only_server(tiny_llama_dir, tmp_path, "400000")
+    try:
+        http = server.http()
+        prompt = "Turn zero. " * 8
+        for turn in range(40):
+            body = {
+                "prompt": prompt,
+                "max_tokens": 4,
+                "temperature": 0,
+                "logit_bias": NO_EOS,
+                "stream": True,
+            }
+            text = ""
+            with http.stream("POST", "/v1/completions", json=body) as reply:
+                assert reply.status_code == 200, turn
+                for line in reply.iter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    choice = json.loads(line[len("data: ") :])["choices"][0]
+                    text += choice["text"]
+                    if choice.get("finish_reason"):
+                        break  # the rest of the stream is left unread
+            assert text, turn
+            prompt += text + f" Turn {turn + 1}."
+        disk = http.get("/cache/stats").json()["prompt_cache"]["disk"]
+        assert disk["evicted"] > 0 and disk["hits"] > 0, disk
+        log = server.log_tail(400_000)
+        assert "KeyError" not in log and "Traceback" not in log
     finally:
         stop_server(server)

@@ -47,6 +47,9 @@ log = logging.getLogger(__name__)
 
 # Entries are bounded by bytes; the count bound of LRUPromptCache is not used.
 _NO_COUNT_LIMIT = 1 << 30
+# Under memory pressure, how long shrink() waits for queued disk writes (a
+# state of a few MB to a few hundred MB at SSD speed).
+SHRINK_FLUSH_SECONDS = 5.0
 
 
 @dataclass
@@ -131,13 +134,21 @@ class PromptCache:
                     self._unstorable_logged = True
 
     def shrink(self, deficit: int) -> int:
-        """Give back at least `deficit` bytes (oldest entries first); return bytes freed.
+        """Give back up to `deficit` bytes (oldest entries first); return bytes freed.
 
         A pressure hook of the residency manager: it runs before resident
-        layers are shed. Entries freed here stay on disk when the disk tier is on.
+        layers are shed. The disk tier's queued writes land first, so what is
+        dropped here is read back from disk. The newest entry stays: it is the
+        state the conversation in flight resends next (prompt + answer), and
+        it is no larger than the memory tier's budget, which a memory plan
+        reserved for it.
         """
         before = self.nbytes
-        self._store.trim_to(n_bytes=max(0, before - int(deficit)))
+        if self.disk is not None:
+            self.disk.flush(SHRINK_FLUSH_SECONDS)
+        target = max(0, before - int(deficit))
+        while self.entries > 1 and self.nbytes > target:
+            self._store.trim_to(n_sequences=self.entries - 1)
         freed = before - self.nbytes
         self.memory_stats.released_bytes += freed
         return freed
