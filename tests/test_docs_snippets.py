@@ -232,3 +232,26 @@ def test_readme_links_reach_the_docs() -> None:
     # The pages that took the long README's sections are one click from it.
     for page in MOVED_FROM_README:
         assert f"docs/{page}" in local, page
+
+
+def test_monitoring_page_names_every_response_field() -> None:
+    """/memory and /cache/stats fields added to their response models reach the docs."""
+    from pydantic import BaseModel
+
+    from flashserve.server.routes import cache, memory
+
+    page = (DOCS / "reference" / "monitoring.md").read_text()
+    models = [
+        obj
+        for module in (memory, cache)
+        for obj in vars(module).values()
+        if isinstance(obj, type)
+        and issubclass(obj, BaseModel)
+        and obj.__module__ == module.__name__
+    ]
+    assert len(models) >= 5
+    for model in models:
+        for name in model.model_fields:
+            if name == "layer":  # a per-layer list entry's own index
+                continue
+            assert re.search(rf"\b{name}\b", page), f"{model.__name__}.{name}"
