@@ -255,3 +255,30 @@ def test_monitoring_page_names_every_response_field() -> None:
             if name == "layer":  # a per-layer list entry's own index
                 continue
             assert re.search(rf"\b{name}\b", page), f"{model.__name__}.{name}"
+
+
+def test_every_request_field_is_documented() -> None:
+    """Each field a route accepts is named in the endpoints reference or a guide."""
+    from flashserve.server.anthropic.protocol import CountTokensRequest, MessagesRequest
+    from flashserve.server.llamacpp.protocol import InfillRequest
+    from flashserve.server.openai.completions_protocol import CompletionRequest
+    from flashserve.server.openai.protocol import ChatCompletionRequest
+    from flashserve.server.openai.responses_protocol import ResponseCreateRequest
+
+    pages = [DOCS / "reference" / "endpoints.md", *sorted((DOCS / "guides").rglob("*.md"))]
+    text = "\n".join(page.read_text() for page in pages)
+    requests = (
+        ChatCompletionRequest,
+        CompletionRequest,
+        InfillRequest,
+        ResponseCreateRequest,
+        MessagesRequest,
+        CountTokensRequest,
+    )
+    undocumented = [
+        f"{model.__name__}.{name}"
+        for model in requests
+        for name in model.model_fields
+        if not re.search(rf"\b{name}\b", text)
+    ]
+    assert not undocumented
