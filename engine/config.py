@@ -45,6 +45,10 @@ class EngineConfig:
     # Resident models on the CPU: each decode step as one compiled MLX function
     # (generation/decode_step.py); the same tokens either way.
     compile_decode: bool = True
+    # Speculative decoding (engine/speculative/): off | prompt-lookup; drafted
+    # tokens per pass at most (each request's length adapts below it).
+    speculative: str = "off"
+    speculative_max_draft: int = 8
     # Prompt cache: memory tier bytes, 0 turns the whole cache off; SSD tier
     # bytes, 0 keeps it in memory only. The server's settings turn both on.
     prompt_cache_bytes: int = 0

@@ -128,6 +128,14 @@ class Settings(BaseSettings):
         description="CPU, every weight resident: run each decode step as one compiled "
         "MLX function (less Python per step; the same tokens)",
     )
+    speculative: Literal["off", "prompt-lookup"] = Field(
+        "off",
+        description="speculative decoding: prompt-lookup drafts (n-grams of the prompt "
+        "and output) verified several per pass; greedy output unchanged",
+    )
+    speculative_max_draft: int = Field(
+        8, ge=1, le=64, description="drafted tokens per pass at most (adapts below it)"
+    )
 
     # Several machines (engine/distributed/): one model split by layer ranges
     hostfile: str | None = Field(

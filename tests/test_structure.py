@@ -121,6 +121,7 @@ ENGINE_ORDER = [
     "loader",
     "distributed",
     "prompt_cache",
+    "speculative",
     "generation",
 ]
 

@@ -105,6 +105,21 @@ class LayerMajorPrefill:
     _main: greenlet | None = field(default=None, init=False)  # the driver's greenlet
 
     @classmethod
+    def for_engine(cls, config: Any, loaded: Any) -> LayerMajorPrefill | None:
+        """The engine's layer-major prefill (EngineConfig, LoadedModel), or None: the
+        setting is chunked, or every weight is resident."""
+        if config.prefill_order != "auto" or (loaded.streamer is None and loaded.experts is None):
+            return None
+        return cls.for_model(
+            loaded.model,
+            loaded.config,
+            chunk_tokens=config.prefill_step_size,
+            group_bytes=config.prefill_group_bytes,
+            streamer=loaded.streamer,
+            experts=loaded.experts,
+        )
+
+    @classmethod
     def for_model(
         cls,
         model: nn.Module,

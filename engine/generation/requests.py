@@ -63,6 +63,8 @@ class GenerationRequest:
     # Fresh processors for choice i (called once per choice); without it every
     # choice shares `logits_processors`, which is right only when they hold no state.
     processor_factory: Callable[[int], list[LogitsProcessor]] | None = None
+    # False: no speculative decoding for this request, whatever the server's setting.
+    speculative: bool = True
 
 
 @dataclass

@@ -11,15 +11,10 @@ import secrets
 from collections.abc import Callable
 
 import mlx.core as mx
-from mlx_lm.sample_utils import (
-    apply_min_p,
-    apply_top_k,
-    apply_top_p,
-    greedy_sampler,
-    make_logits_processors,
-)
+from mlx_lm.sample_utils import greedy_sampler, make_logits_processors
 
 from flashserve.engine.generation.requests import LogitsProcessor, SamplingParams
+from flashserve.engine.speculative.accept import Sampling, truncations
 
 log = logging.getLogger(__name__)
 
@@ -39,13 +34,7 @@ def make_request_sampler(params: SamplingParams, choice: int = 0) -> Sampler:
         return greedy_sampler
     seed = params.seed + choice if params.seed is not None else secrets.randbits(63)
     key = mx.random.key(seed)
-    filters: list[Callable[[mx.array], mx.array]] = []
-    if 0 < params.top_p < 1:
-        filters.append(lambda x: apply_top_p(x, params.top_p))
-    if params.min_p > 0:
-        filters.append(lambda x: apply_min_p(x, params.min_p))
-    if params.top_k > 0:
-        filters.append(lambda x: apply_top_k(x, params.top_k))
+    filters = truncations(params.top_p, params.min_p, params.top_k)
     inverse_temperature = 1 / params.temperature
 
     def sample(logprobs: mx.array) -> mx.array:
@@ -56,6 +45,14 @@ def make_request_sampler(params: SamplingParams, choice: int = 0) -> Sampler:
         return mx.random.categorical(logprobs * inverse_temperature, key=step_key)
 
     return sample
+
+
+def speculative_sampling(params: SamplingParams, choice: int = 0) -> Sampling | None:
+    """How speculative steps sample a request's choice: None when greedy (argmax match)."""
+    if params.temperature < GREEDY_BELOW:
+        return None
+    seed = params.seed + choice if params.seed is not None else None
+    return Sampling(params.temperature, params.top_p, params.top_k, params.min_p, seed)
 
 
 class GuardedProcessors:

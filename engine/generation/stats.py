@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import astuple, dataclass, field
 
+from flashserve.engine.speculative.adaptive import SpeculativeStats
 from flashserve.engine.weights.model import LoadedModel
 
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # max_batch is at most 256
@@ -74,6 +75,7 @@ class WorkerStats:
     last_prefill_tokens_per_s: float = 0.0
     last_decode_tokens_per_s: float = 0.0
     ttft: TtftStats = field(default_factory=TtftStats)
+    speculative: SpeculativeStats = field(default_factory=SpeculativeStats)
 
     def record(
         self, prompt: int, generated: int, started: float, first_token_at: float | None

@@ -45,6 +45,7 @@ from flashserve.engine.generation.sampling import (
     make_request_processors,
     make_request_sampler,
     sample_first,
+    speculative_sampling,
 )
 from flashserve.engine.generation.shared_prefill import (
     PrefillCancelled,
@@ -58,6 +59,7 @@ from flashserve.engine.generation.stats import (
 )
 from flashserve.engine.generation.stops import StopMatcher
 from flashserve.engine.prompt_cache.cache import PromptCache, prompt_cache_for
+from flashserve.engine.speculative.batch import Speculation, SpeculativeConfig
 from flashserve.engine.weights.model import LoadedModel
 from flashserve.engine.weights.reader import WeightFileError
 
@@ -93,6 +95,10 @@ class Engine:
         self._layer_major: LayerMajorPrefill | None = None
         self.mirror: Mirror | None = None  # the model is split across ranks: rank 0's side
         self.stats = WorkerStats()
+        self.speculation = Speculation(
+            SpeculativeConfig(config.speculative, config.speculative_max_draft),
+            self.stats.speculative,
+        )
         self._queue: queue.Queue[RequestHandle | None] = queue.Queue()
         self._admission_lock = threading.Lock()
         self._admitted = 0  # requests submitted and not yet ended or cancelled in the queue
@@ -157,7 +163,7 @@ class Engine:
         try:
             self.loaded, self.mirror = load_model(self.config)  # split across ranks?
             self.prompt_cache = prompt_cache_for(self.config, self.loaded)
-            self._layer_major = self._make_layer_major(self.loaded)
+            self._layer_major = LayerMajorPrefill.for_engine(self.config, self.loaded)
             self.state = "ready"
             log.info(
                 "model %s ready (context %d tokens, float matmuls on %s BLAS)",
@@ -184,20 +190,6 @@ class Engine:
                 # A bug outside a step; a dead worker would hang every later request.
                 log.exception("worker loop failed; restarting it")
 
-    def _make_layer_major(self, loaded: LoadedModel) -> LayerMajorPrefill | None:
-        if self.config.prefill_order != "auto" or (
-            loaded.streamer is None and loaded.experts is None
-        ):
-            return None
-        return LayerMajorPrefill.for_model(
-            loaded.model,
-            loaded.config,
-            chunk_tokens=self.config.prefill_step_size,
-            group_bytes=self.config.prefill_group_bytes,
-            streamer=loaded.streamer,
-            experts=loaded.experts,
-        )
-
     def _refuse_all(self) -> None:
         while (handle := self._queue.get()) is not None:
             handle.push(ErrorEvent(self.load_error or "model not loaded"))
@@ -217,6 +209,8 @@ class Engine:
             prefill_batch_size=self.config.max_batch,
             prefill_step_size=self.config.prefill_step_size,
         )
+        if self.mirror is None:  # the ranks of a split model step alike: plain steps only
+            self.speculation.install(batch)
         return batch if self.mirror is None else self.mirror.wrap(batch)  # type: ignore[return-value]
 
     def _loop(self) -> None:
@@ -529,6 +523,8 @@ class Engine:
         )
         active[choice.uid] = choice
         self.stats.active = len(active)
+        sampling = speculative_sampling(request.sampling, choice.index)
+        self.speculation.register(choice.uid, request.speculative, sampling)
 
     def _on_token(self, batch: BatchGenerator, active: dict[int, Choice], response) -> None:
         entry = active.get(response.uid)

@@ -269,6 +269,9 @@ class MessagesRequest(ConversationFields):
     top_k: Annotated[int, Field(ge=0), WHOLE] | None = None
     metadata: dict[str, Any] | None = None
     stream: bool = False
+    speculative: bool | None = Field(
+        None, description="false: no speculative decoding for this request (flashserve)"
+    )
 
 
 class CountTokensRequest(ConversationFields):

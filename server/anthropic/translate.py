@@ -65,6 +65,7 @@ def chat_request(body: ConversationFields, vocab_size: int) -> ChatRequest:
         request.sampling = _sampling(body, vocab_size)
         request.stop = list(body.stop_sequences or [])
         request.max_tokens = body.max_tokens
+        request.speculative = body.speculative is not False
     return request
 
 

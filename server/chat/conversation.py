@@ -40,6 +40,7 @@ class ChatRequest:
     max_tokens_param: str = "max_tokens"
     n: int = 1  # choices, each parsed on its own (ChatTurn.choice_events)
     logprobs: int | None = None  # None: none; k: each token's logprob and the k likeliest
+    speculative: bool = True  # False: the request opted out of speculative decoding
 
 
 @dataclass(frozen=True)

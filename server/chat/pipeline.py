@@ -133,6 +133,7 @@ async def start_chat(
             n=request.n,
             logprobs=request.logprobs,
             processor_factory=processors if request.n > 1 else None,
+            speculative=request.speculative,
         ),
         tracker=tracker,
     )

@@ -149,6 +149,7 @@ class EngineCollector(Collector):
             if isinstance(stats.get(key), (int, float)):
                 yield GaugeMetricFamily(metric_name(PREFIX, name), doc, value=stats[key])
         yield from _ttft_metrics(stats.get("ttft"))
+        yield from _speculative_metrics(stats.get("speculative"))
         steps = stats.get("batch_size_steps")
         if isinstance(steps, list) and len(steps) == len(BATCH_SIZE_BUCKETS):
             yield _batch_size_histogram(steps, stats.get("batch_size_sum", 0))
@@ -185,6 +186,36 @@ def _ttft_metrics(ttft: Any) -> Iterator[Metric]:
         metric_name(PREFIX, "last_ttft_seconds"),
         "Time to first token of the last request, from submit (the parts' sum)",
         value=ttft["last_total_s"],
+    )
+
+
+SPECULATIVE_COUNTERS = {
+    "passes": "Verification passes (batch steps that ran drafted tokens)",
+    "drafted_tokens": "Drafted tokens verified",
+    "accepted_tokens": "Drafted tokens accepted",
+    "emitted_tokens": "Tokens emitted by verification passes, all sequences",
+    "sequence_passes": "Sequences run by verification passes, summed over passes",
+    "paused": "Times a request stopped speculating because it did not pay",
+}
+
+
+def _speculative_metrics(spec: Any) -> Iterator[Metric]:
+    """Speculative decoding (engine/speculative/): counters, and the rates since start
+    (acceptance; tokens a sequence gets per verification pass)."""
+    if not isinstance(spec, dict):
+        return
+    for key, doc in SPECULATIVE_COUNTERS.items():
+        name = metric_name(PREFIX, f"speculative_{key}_total")
+        yield CounterMetricFamily(name, doc, value=spec[key])
+    yield GaugeMetricFamily(
+        metric_name(PREFIX, "speculative_acceptance_rate"),
+        "Drafted tokens accepted / drafted, since start",
+        value=spec["acceptance_rate"],
+    )
+    yield GaugeMetricFamily(
+        metric_name(PREFIX, "speculative_tokens_per_pass"),
+        "Tokens a sequence gets per verification pass, since start",
+        value=spec["tokens_per_pass"],
     )
 
 

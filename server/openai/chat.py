@@ -84,6 +84,7 @@ def chat_request(body: ChatCompletionRequest, vocab_size: int, max_batch: int = 
         ),
         n=choice_count(body, max_batch),
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+        speculative=body.speculative is not False,
     )
 
 

@@ -90,6 +90,7 @@ async def create_completion(
             n=n,
             logprobs=body.logprobs,
             prompt_logprobs=body.logprobs if scored else None,
+            speculative=body.speculative is not False,
         ),
         tracker=request.app.state.tracker,
     )

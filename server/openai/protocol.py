@@ -170,6 +170,9 @@ class SamplingFields(_Strict, DepthLimited, NotesIgnoredFields):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    speculative: bool | None = Field(
+        None, description="false: no speculative decoding for this request (flashserve)"
+    )
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -90,6 +90,7 @@ def chat_request(
         chat_template_kwargs=kwargs,
         messages_param="input",
         max_tokens_param="max_output_tokens",
+        speculative=body.speculative is not False,
     )
     items = prior_items + [item.model_dump(exclude_none=True) for item, _ in new]
     return ResponsesInput(request, items)

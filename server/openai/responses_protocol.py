@@ -157,6 +157,9 @@ class ResponseCreateRequest(DepthLimited, NotesIgnoredFields):
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     seed: Annotated[int, Field(ge=-(2**63), lt=2**64), WHOLE] | None = None
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    speculative: bool | None = Field(
+        None, description="false: no speculative decoding for this request (flashserve)"
+    )
 
     @field_validator("*", mode="before")
     @classmethod

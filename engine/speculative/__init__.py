@@ -1,0 +1,16 @@
+"""Speculative decoding: several tokens verified per pass over the weights.
+
+At 0% residency a decode step reads every streamed layer once for one token
+per sequence. A pass over k+1 tokens reads them once too, so verifying k
+drafted tokens in one pass turns one read into up to k+1 tokens.
+
+* lookup.py: prompt-lookup drafts (an n-gram of the context's end matched
+  earlier in the prompt or the output; no extra model).
+* accept.py: which drafted tokens a pass accepts: exact argmax match when
+  greedy, speculative sampling (accept with p(draft), else resample from the
+  residual) when sampled, so the output distribution is unchanged.
+* rollback.py: the KV cache taken back past rejected tokens, per sequence.
+* adaptive.py: each request's draft length from its measured acceptance and
+  the measured cost of a k-token pass; the counters /metrics serves.
+* batch.py: mlx-lm's GenerationBatch with a speculative `next()`.
+"""

@@ -1,0 +1,199 @@
+"""mlx-lm's GenerationBatch with a speculative step.
+
+mlx-lm's GenerationBatch keeps, between steps, each sequence's next token
+(sampled, not yet run: `_next_tokens`) with the distribution it came from,
+and `tokens`: what the KV cache holds. A plain step runs the next tokens,
+emits them and samples the ones after. A speculative step runs each
+sequence's next token followed by its draft (prompt lookup, padded to the
+longest draft of the batch) in ONE forward pass: every streamed layer is
+read once for it and an MoE layer reads the union of the experts its tokens
+route to once (experts/offload.py sends calls of more than one token per
+sequence expert-major). Each sequence then emits its next token and the
+draft tokens the pass accepted (accept.py), keeps the token after them as
+its next one, and its KV cache is taken back past the rest (rollback.py).
+Between steps the state is what a plain step leaves, so plain and
+speculative steps mix freely.
+
+A step speculates only when no sequence has logits processors (penalties,
+grammars, logit_bias: they see one position at a time and a grammar's
+state cannot be taken back yet) and every layer's cache can be rolled back;
+otherwise, and when no sequence has a draft, it is mlx-lm's plain step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.generate import BatchGenerator, GenerationBatch
+
+from flashserve.engine.speculative.accept import Sampling, accept_greedy, accept_sampled
+from flashserve.engine.speculative.adaptive import CostModel, Sequence, SpeculativeStats
+from flashserve.engine.speculative.rollback import can_roll_back, roll_back
+
+log = logging.getLogger(__name__)
+
+MODES = ("off", "prompt-lookup")
+
+
+@dataclass
+class SpeculativeConfig:
+    mode: str = "off"  # off | prompt-lookup
+    max_draft: int = 8  # tokens drafted per pass at most
+
+
+class Speculation:
+    """The engine's speculation: settings, each sequence's state, the counters."""
+
+    def __init__(self, config: SpeculativeConfig, stats: SpeculativeStats) -> None:
+        if config.mode not in MODES:
+            raise ValueError(f"speculative must be one of {', '.join(MODES)}, not {config.mode!r}")
+        self.config = config
+        self.stats = stats
+        self.cost = CostModel(stats)
+        self.sequences: dict[int, Sequence] = {}
+
+    @property
+    def enabled(self) -> bool:
+        return self.config.mode != "off" and self.config.max_draft > 0
+
+    def install(self, batch: BatchGenerator) -> None:
+        """Make `batch` decode with speculative steps (its generation batch is empty)."""
+        if not self.enabled:
+            return
+        generation = batch._generation_batch
+        assert not generation.uids, "install before anything is inserted"
+        speculative = SpeculativeBatch.empty(generation.model, generation.fallback_sampler)
+        speculative.speculation = self
+        batch._generation_batch = speculative
+
+    def register(self, uid: int, wanted: bool, sampling: Sampling | None) -> None:
+        """A sequence entered the batch; `wanted`: its request allows speculation."""
+        if self.enabled and wanted:
+            self.sequences[uid] = Sequence(self.config.max_draft, sampling)
+
+
+class SpeculativeBatch(GenerationBatch):
+    speculation: Speculation
+
+    def filter(self, keep: list[int]) -> None:
+        kept = {self.uids[i] for i in keep}
+        for uid in [u for u in self.uids if u not in kept]:
+            self.speculation.sequences.pop(uid, None)
+        super().filter(keep)
+
+    def next(self) -> list[GenerationBatch.Response]:
+        if not self.uids:
+            return []
+        drafts = self._drafts()
+        start = time.perf_counter()
+        if drafts is None:
+            responses = super().next()
+            self.speculation.cost.plain(time.perf_counter() - start)
+            return responses
+        return self._verify(drafts, start)
+
+    def _drafts(self) -> list[list[int]] | None:
+        """Each sequence's draft, or None: this step is a plain one."""
+        sequences = [self.speculation.sequences.get(uid) for uid in self.uids]
+        if not any(sequences) or any(self.logits_processors):
+            return None
+        if not can_roll_back(self.prompt_cache):
+            return None
+        mx.eval(self._next_tokens)
+        pending = self._next_tokens.tolist()
+        slope = self.speculation.stats.cost_slope
+        drafts = []
+        for i, seq in enumerate(sequences):
+            # The pending token is emitted by this step too; drafts past
+            # max_tokens would be thrown away.
+            room = self.max_tokens[i] - self._num_tokens[i] - 1
+            context = [*self.tokens[i], pending[i]]
+            drafts.append(seq.draft(context, slope, room) if seq is not None else [])
+        return drafts if any(drafts) else None
+
+    def _verify(self, drafts: list[list[int]], start: float) -> list[GenerationBatch.Response]:
+        width = max(len(d) for d in drafts)
+        pending = self._next_tokens.tolist()
+        # Shorter drafts are padded with their last token: whatever is there is
+        # run and never accepted (acceptance stops at the draft's end).
+        rows = [
+            [p, *d, *([d[-1] if d else p] * (width - len(d)))]
+            for p, d in zip(pending, drafts, strict=True)
+        ]
+        logits = self.model(mx.array(rows, dtype=mx.uint32), cache=self.prompt_cache)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        targets = mx.argmax(logprobs, axis=-1)
+        mx.eval(logprobs, targets)
+        targets_list = targets.tolist()
+        emitted: list[list[int]] = []
+        rows_used: list[list[mx.array]] = []
+        nexts: list[int] = []
+        for i, draft in enumerate(drafts):
+            seq = self.speculation.sequences.get(self.uids[i])
+            n, after = self._accept(seq, draft, logprobs[i], targets_list[i])
+            emitted.append([pending[i], *draft[:n]])
+            rows_used.append([self._next_logprobs[i], *(logprobs[i, j] for j in range(n))])
+            nexts.append(after)
+            self._account(seq, len(draft), n)
+        responses, keep, kept_tokens = self._respond(emitted, rows_used)
+        roll_back(self.prompt_cache, [width + 1 - k for k in kept_tokens])
+        for i in range(len(self.uids)):
+            self.tokens[i].extend(emitted[i][: kept_tokens[i]])
+        for r in responses:
+            if r.finish_reason is not None:
+                i = self.uids.index(r.uid)
+                r.prompt_cache, r.all_tokens = self.extract_cache(i), self.tokens[i]
+        self._next_tokens = mx.array(nexts, dtype=mx.uint32)
+        self._next_logprobs = [logprobs[i, len(emitted[i]) - 1] for i in range(len(self.uids))]
+        stats = self.speculation.stats
+        stats.passes += 1
+        stats.sequence_passes += len(self.uids)
+        stats.emitted_tokens += sum(kept_tokens)
+        stats.refresh()
+        self.speculation.cost.speculative(time.perf_counter() - start, width)
+        if len(keep) < len(self.uids):
+            self.filter(keep)
+        return responses
+
+    def _accept(
+        self, seq: Sequence | None, draft: list[int], logprobs: mx.array, targets: list[int]
+    ) -> tuple[int, int]:
+        if seq is None or seq.sampling is None or seq.rng is None:
+            return accept_greedy(targets, draft)
+        probs = seq.sampling.probabilities(logprobs[: len(draft) + 1])
+        return accept_sampled(np.array(probs), draft, seq.rng)
+
+    def _account(self, seq: Sequence | None, drafted: int, accepted: int) -> None:
+        stats = self.speculation.stats
+        stats.drafted_tokens += drafted
+        stats.accepted_tokens += accepted
+        if seq is not None and seq.update(drafted, accepted, stats.cost_slope):
+            stats.paused += 1
+
+    def _respond(
+        self, emitted: list[list[int]], rows: list[list[mx.array]]
+    ) -> tuple[list[GenerationBatch.Response], list[int], list[int]]:
+        """Each sequence's tokens as mlx-lm's responses, up to the first that ends it:
+        (responses, sequences kept, tokens each keeps in its cache)."""
+        responses, keep, kept_tokens = [], [], []
+        for i, tokens in enumerate(emitted):
+            finish = None
+            count = 0
+            for token, row in zip(tokens, rows[i], strict=True):
+                count += 1
+                self._num_tokens[i] += 1
+                if self._num_tokens[i] >= self.max_tokens[i]:
+                    finish = "length"
+                if self._matchers[i].advance(token):
+                    finish = "stop"
+                responses.append(self.Response(self.uids[i], token, row, finish, None, None))
+                if finish is not None:
+                    break
+            kept_tokens.append(count)
+            if finish is None:
+                keep.append(i)
+        return responses, keep, kept_tokens

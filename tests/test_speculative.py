@@ -1,0 +1,245 @@
+"""Speculative decoding (engine/speculative/): several tokens per pass, same output.
+
+Each server speculates (prompt lookup); its baseline is the same request with
+`speculative: false`, so both run on the same weights in the same process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import BatchGenerator
+from mlx_lm.utils import load as mlx_load
+
+from flashserve.engine.speculative.accept import accept_sampled
+from flashserve.engine.speculative.adaptive import SpeculativeStats, best_length
+from flashserve.engine.speculative.batch import Speculation, SpeculativeConfig
+from flashserve.engine.speculative.lookup import NgramIndex
+from flashserve.engine.weights.prepare import prepare
+from tests.conftest import Server, start_server, stop_server
+
+SPEC = ("--speculative", "prompt-lookup", "--speculative-max-draft", "6")
+# Code repeated with small changes: prompt lookup's case (an agent editing a file).
+CODE = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n"
+PROMPTS = [CODE * 4, "one two three four " * 8, "What is the capital of France?"]
+
+
+def complete(server: Server, prompt: str, speculative: bool, **kwargs: Any) -> dict:
+    body = {"prompt": prompt, "max_tokens": 40, "temperature": 0, "speculative": speculative}
+    response = server.http().post("/v1/completions", json={**body, **kwargs})
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]
+
+
+def spec_counters(server: Server) -> dict[str, float]:
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("flashserve_speculative_"):
+            name, value = line.rsplit(" ", 1)
+            out[name.removeprefix("flashserve_speculative_")] = float(value)
+    return out
+
+
+def check_identity(server: Server, batched: bool, **kwargs: Any) -> None:
+    """Each prompt's greedy output with speculation equals it without, alone or batched."""
+    plain = [complete(server, p, False, **kwargs) for p in PROMPTS]
+    before = spec_counters(server)
+    if batched:
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            spec = list(pool.map(lambda p: complete(server, p, True, **kwargs), PROMPTS))
+    else:
+        spec = [complete(server, p, True, **kwargs) for p in PROMPTS]
+    after = spec_counters(server)
+    for a, b in zip(plain, spec, strict=True):
+        assert b["text"] == a["text"]
+        if kwargs.get("logprobs") is not None:
+            assert b["logprobs"]["tokens"] == a["logprobs"]["tokens"]
+            np.testing.assert_allclose(
+                b["logprobs"]["token_logprobs"], a["logprobs"]["token_logprobs"], atol=1e-4
+            )
+    # The speculative path ran: tokens were drafted and some accepted.
+    assert after["accepted_tokens_total"] > before["accepted_tokens_total"]
+    assert after["passes_total"] > before["passes_total"]
+
+
+@pytest.fixture(scope="module")
+def llama_spec(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    server = start_server(tiny_llama_dir, tmp_path_factory.mktemp("spec-llama"), *SPEC)
+    yield server
+    stop_server(server)
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_dense_greedy_identity(llama_spec: Server, batched: bool) -> None:
+    check_identity(llama_spec, batched)
+
+
+def test_logprobs_come_from_the_verified_distributions(llama_spec: Server) -> None:
+    check_identity(llama_spec, True, logprobs=3)
+
+
+def test_acceptance_shows_in_metrics_and_health(llama_spec: Server) -> None:
+    complete(llama_spec, CODE * 4, True)
+    counters = spec_counters(llama_spec)
+    assert 0 < counters["acceptance_rate"] <= 1
+    assert counters["tokens_per_pass"] > 1  # more than one token per pass on average
+    stats = llama_spec.health().json()["stats"]["speculative"]
+    assert stats["accepted_tokens"] <= stats["drafted_tokens"]
+
+
+def test_chat_with_tools_identity(llama_spec: Server) -> None:
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "edit",
+                "description": "Replace text in a file",
+                "parameters": {"type": "object", "properties": {"path": {"type": "string"}}},
+            },
+        }
+    ]
+
+    def ask(speculative: bool) -> dict:
+        body = {
+            "messages": [{"role": "user", "content": "Edit this file:\n" + CODE * 3}],
+            "tools": tools,
+            "max_tokens": 40,
+            "temperature": 0,
+            "speculative": speculative,
+        }
+        response = llama_spec.http().post("/v1/chat/completions", json=body)
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]["message"]
+
+    assert ask(True) == ask(False)
+
+
+def test_speculative_field_is_validated(llama_spec: Server) -> None:
+    body = {"prompt": "x", "max_tokens": 2, "speculative": "sometimes"}
+    response = llama_spec.http().post("/v1/completions", json=body)
+    assert response.status_code == 400
+    assert "speculative" in response.text
+
+
+def test_streamed_layers_identity(tiny_llama_dir: Path, tmp_path_factory) -> None:
+    """0% residency: every layer read from disk once per verification pass."""
+    prepared = prepare(str(tiny_llama_dir), tmp_path_factory.mktemp("spec-prep") / "p")
+    args = ("--residency", "fixed", "--resident-layers", "0", *SPEC)
+    server = start_server(prepared, tmp_path_factory.mktemp("spec-streamed"), *args)
+    try:
+        check_identity(server, batched=False)
+        check_identity(server, batched=True)
+    finally:
+        stop_server(server)
+
+
+def test_moe_expert_cache_identity(tiny_moe_dir: Path, tmp_path_factory) -> None:
+    prepared = prepare(str(tiny_moe_dir), tmp_path_factory.mktemp("spec-moe") / "p")
+    server = start_server(
+        prepared, tmp_path_factory.mktemp("spec-moe-s"), "--expert-cache", "16", *SPEC
+    )
+    try:
+        check_identity(server, batched=False)
+        check_identity(server, batched=True)
+    finally:
+        stop_server(server)
+
+
+def test_hybrid_model_decodes_plain(cache_arch_dirs: dict[str, Path], tmp_path_factory) -> None:
+    """qwen3_next's recurrent layers cannot be trimmed: speculation stays off, output equal."""
+    server = start_server(
+        cache_arch_dirs["qwen3_next"], tmp_path_factory.mktemp("spec-hybrid"), *SPEC
+    )
+    try:
+        for prompt in PROMPTS:
+            assert complete(server, prompt, True)["text"] == complete(server, prompt, False)["text"]
+        assert spec_counters(server)["passes_total"] == 0
+    finally:
+        stop_server(server)
+
+
+# -- the pieces, on the engine side ---------------------------------------------------
+
+
+def test_rollback_leaves_the_cache_of_a_plain_run(tiny_llama_dir: Path) -> None:
+    """After speculative steps with rejections (differing per sequence), each sequence's
+    cache holds the keys and values a plain run's holds, and the same tokens."""
+    model, _ = mlx_load(str(tiny_llama_dir))
+    prompts = [[5 + i % 7 for i in range(40)], [9 + (i * i) % 23 for i in range(25)]]
+
+    def run(speculative: bool) -> list[tuple[list[int], list[Any]]]:
+        batch = BatchGenerator(model, completion_batch_size=4, prefill_batch_size=4)
+        stats = SpeculativeStats()
+        if speculative:
+            spec = Speculation(SpeculativeConfig("prompt-lookup", 5), stats)
+            spec.install(batch)
+        uids = batch.insert(prompts, max_tokens=[30, 30])
+        for uid in uids:
+            if speculative:
+                spec.register(uid, True, None)
+        finished = {}
+        while len(finished) < len(uids):
+            for r in batch.next_generated():
+                if r.finish_reason is not None:
+                    finished[r.uid] = (r.all_tokens, r.prompt_cache)
+        if speculative:
+            assert stats.drafted_tokens > stats.accepted_tokens > 0  # some rejected
+        return [finished[u] for u in uids]
+
+    for (tokens_a, cache_a), (tokens_b, cache_b) in zip(run(False), run(True), strict=True):
+        assert tokens_b == tokens_a
+        for a, b in zip(cache_a, cache_b, strict=True):
+            assert a.offset == b.offset
+            ka, va, kb, vb = a.keys, a.values, b.keys, b.values
+            assert ka.shape == kb.shape
+            assert mx.allclose(ka, kb, atol=1e-5).item() and mx.allclose(va, vb, atol=1e-5).item()
+
+
+def test_speculative_sampling_keeps_the_distribution() -> None:
+    """Tokens out of accept_sampled are distributed as p, whatever the draft: total
+    variation within a bound that holds with overwhelming probability."""
+    rng = np.random.default_rng(0)
+    vocab, samples = 6, 40_000
+    p = np.array([0.4, 0.25, 0.15, 0.1, 0.07, 0.03])
+    for draft_token in (0, 3, 5):  # likely, middling and unlikely drafts
+        counts = np.zeros(vocab)
+        firsts = np.zeros(vocab)
+        for _ in range(samples):
+            # Two drafted positions; the first emitted token and the second's are checked.
+            probs = np.stack([p, p[::-1], p])
+            n, after = accept_sampled(probs, [draft_token, 1], rng)
+            first = draft_token if n >= 1 else after
+            firsts[first] += 1
+            if n >= 1:
+                counts[1 if n >= 2 else after] += 1
+        tv_first = 0.5 * np.abs(firsts / samples - p).sum()
+        assert tv_first < 0.015, (draft_token, tv_first)
+        second = counts / counts.sum()
+        assert 0.5 * np.abs(second - p[::-1]).sum() < 0.03
+
+
+def test_prompt_lookup_drafts_what_followed_before() -> None:
+    index = NgramIndex()
+    context = [1, 2, 3, 4, 5, 9, 9, 1, 2, 3]
+    assert index.draft(context, 3) == [4, 5, 9]
+    assert index.draft([*context, 4, 7, 7, 7], 2) == [7]  # the output itself is looked up
+    assert NgramIndex().draft([1, 2, 3], 4) == []
+
+
+def test_draft_length_adapts_to_acceptance_and_cost() -> None:
+    assert best_length(0.9, 0.0, 8) == 8  # I/O-bound pass: draft long
+    assert best_length(0.9, 0.5, 8) < 8
+    assert best_length(0.05, 0.2, 8) == 0  # mostly rejected: stop
+
+
+def test_server_refuses_unknown_mode(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError, match="speculative"):
+        start_server(tiny_llama_dir, tmp_path, "--speculative", "medusa")
