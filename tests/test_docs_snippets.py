@@ -171,9 +171,9 @@ def test_the_guides_have_runnable_snippets_and_every_mark_has_a_reason() -> None
                 assert i + 1 < len(lines) and FENCE.match(lines[i + 1]), f"{page}:{i + 1}"
 
 
-def _settings_hook():
-    path = REPO / "docs_hooks" / "settings_reference.py"
-    spec = importlib.util.spec_from_file_location("settings_reference", path)
+def _hook(name: str):
+    path = REPO / "docs_hooks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -196,7 +196,7 @@ def test_generated_settings_page_lists_every_setting(tmp_path: Path) -> None:
     rows = re.findall(r"<tr>\s*<td><code>([a-z_]+)</code></td>", page)
     assert sorted(rows) == sorted(Settings.model_fields)
     # Each row carries its default and its meaning.
-    markdown = _settings_hook().render_settings()
+    markdown = _hook("settings_reference").render_settings()
     for name, field in Settings.model_fields.items():
         (row,) = [line for line in markdown.splitlines() if line.startswith(f"| `{name}` |")]
         if isinstance(field.default, (int, float)) and not isinstance(field.default, bool):
@@ -282,3 +282,21 @@ def test_every_request_field_is_documented() -> None:
         if not re.search(rf"\b{name}\b", text)
     ]
     assert not undocumented
+
+
+def test_pages_left_out_of_the_nav_join_their_section(tmp_path: Path) -> None:
+    nav_pages = _hook("nav_pages")
+    (tmp_path / "guides").mkdir()
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "guides" / "listed.md").write_text("# Listed\n")
+    (tmp_path / "guides" / "new-feature.md").write_text("Intro\n\n# New feature\n")
+    (tmp_path / "benchmarks" / "new-run.md").write_text("no heading\n")
+    nav = [{"Home": "index.md"}, {"Guides": [{"Listed": "guides/listed.md"}]}, {"Benchmarks": []}]
+    assert nav_pages.unlisted_pages(tmp_path, nav) == {
+        "Guides": [("New feature", "guides/new-feature.md")],
+        "Benchmarks": [("New run", "benchmarks/new-run.md")],
+    }
+    config = {"nav": nav, "docs_dir": str(tmp_path)}
+    nav_pages.on_config(config)
+    assert config["nav"][1]["Guides"][-1] == {"New feature": "guides/new-feature.md"}
+    assert config["nav"][2]["Benchmarks"] == [{"New run": "benchmarks/new-run.md"}]
