@@ -162,6 +162,13 @@ def test_the_guides_have_runnable_snippets_and_every_mark_has_a_reason() -> None
     assert len(RUNNABLE) >= 8
     for s in everything:
         assert s.not_run is None or len(s.not_run) > 5, s.name
+    # A server or a chat in the foreground would block its test until the timeout.
+    blocking = [
+        s.name
+        for s in RUNNABLE
+        if re.search(r"flashserve (serve|chat)\b(?![^\n]*&\s*$)", s.code, flags=re.M)
+    ]
+    assert not blocking, f"mark these <!-- not-run: serves in the foreground -->: {blocking}"
     # A mark that is not on the line right before a fence marks nothing: a typo.
     for page in PAGES:
         lines = page.read_text().splitlines()
