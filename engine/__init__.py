@@ -6,6 +6,8 @@ never those below):
 - `config`       EngineConfig, the engine's knobs (a dataclass; no MLX).
 - `compute`      how MLX computes on this machine: the BLAS behind float
                  matmuls, dequantize + BLAS for quantized prompt matmuls.
+- `kv`           attention KV kept quantized (`kv_bits`): mlx-lm's quantized
+                 cache, batchable; installed on a model as it loads.
 - `weights`      where weights come from and how they lie on disk: GGUF,
                  mlx-lm directories, the prepared (streaming) layout and
                  `prepare`, tokenizers, synthetic test models.

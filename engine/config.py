@@ -49,6 +49,11 @@ class EngineConfig:
     # tokens per pass at most (each request's length adapts below it).
     speculative: str = "off"
     speculative_max_draft: int = 8
+    # Attention KV kept quantized (engine/kv/): None = float (as computed), 8 or
+    # 4 bits in groups of kv_group_size along each head; the prompt cache
+    # stores it at that precision.
+    kv_bits: int | None = None
+    kv_group_size: int = 64
     # Prompt cache: memory tier bytes, 0 turns the whole cache off; SSD tier
     # bytes, 0 keeps it in memory only. The server's settings turn both on.
     prompt_cache_bytes: int = 0

@@ -5,7 +5,8 @@ weights/sources.py (GGUF, mlx-lm), a prepared directory from
 streaming/prepared.py (layer streaming, and the expert cache when asked).
 Quantized linears then take prompts through dequantize + BLAS
 (compute/prompt_matmul.py), and matmuls with few rows (decode steps, the LM
-head, experts) through flashserve's CPU kernel (compute/qmm.py).
+head, experts) through flashserve's CPU kernel (compute/qmm.py). With
+`kv_bits`, the model hands out quantized attention caches (kv/cache.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from flashserve.engine.compute import device, qmm, step_ops
 from flashserve.engine.compute.half_scales import float32_embeddings
 from flashserve.engine.compute.prompt_matmul import use_blas_for_prompts
 from flashserve.engine.config import EngineConfig
+from flashserve.engine.kv import cache as kv_cache
 from flashserve.engine.streaming.prepared import load_prepared
 from flashserve.engine.weights.model import LoadedModel, ModelLoadError, context_length_of
 from flashserve.engine.weights.sources import is_prepared, load_plain, model_id, resolve
@@ -47,6 +49,10 @@ def load(config: EngineConfig) -> LoadedModel:
             context_length=context_length_of(model_config),
         )
     float32_embeddings(loaded.model)  # a prepared GGUF's float16 embedding scales
+    try:  # kv_bits: every cache the model hands out from here on (kv/cache.py)
+        kv_cache.install(loaded.model, config.kv_bits, config.kv_group_size)
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from None
     changed = use_blas_for_prompts(loaded.model)
     if changed:
         log.debug("%d quantized linears run prompts as dequantize + BLAS matmul", changed)

@@ -12,7 +12,13 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 from pydantic_settings import (
     BaseSettings,
     NoDecode,
@@ -105,6 +111,14 @@ class Settings(BaseSettings):
         ge=0,
         description="SSD bytes the prompt cache may write in any hour; past it states stay "
         "in memory; 0 = no cap",
+    )
+    kv_bits: int | None = Field(
+        None,
+        description="attention KV cache kept quantized: 8 or 4 bits (less memory per "
+        "token, prompt cache included); unset (or 'none') keeps it float",
+    )
+    kv_group_size: int = Field(
+        64, description="kv_bits: values per quantization group along a head: 32, 64 or 128"
     )
     data_dir: str | None = Field(
         None,
@@ -199,6 +213,31 @@ class Settings(BaseSettings):
     @classmethod
     def _sizes(cls, value: Any) -> Any:
         return None if value is None else parse_size(value)
+
+    @field_validator("kv_bits", mode="before")
+    @classmethod
+    def _kv_bits(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.strip().lower() in ("", "none", "off", "float"):
+            return None
+        return value
+
+    @field_validator("kv_bits", "kv_group_size")
+    @classmethod
+    def _kv_quantization(cls, value: int | None, info: ValidationInfo) -> int | None:
+        from flashserve.engine.kv import BITS, GROUP_SIZES  # no MLX: the BLAS is not chosen yet
+
+        allowed = BITS if info.field_name == "kv_bits" else GROUP_SIZES
+        if value is not None and value not in allowed:
+            unset = " or unset (a float cache)" if info.field_name == "kv_bits" else ""
+            raise ValueError(f"must be one of {', '.join(map(str, allowed))}{unset}")
+        return value
+
+    @field_validator("hostfile")
+    @classmethod
+    def _hostfile(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is not None and info.data.get("kv_bits") is not None:
+            raise ValueError("a model split across machines keeps a float KV cache: unset kv_bits")
+        return value
 
     @field_validator("tool_parser")
     @classmethod

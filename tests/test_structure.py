@@ -115,6 +115,7 @@ def test_engine_never_imports_server():
 ENGINE_ORDER = [
     "config",
     "compute",
+    "kv",
     "weights",
     "experts",
     "streaming",

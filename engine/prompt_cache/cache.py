@@ -37,6 +37,7 @@ from typing import Any
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
 
 from flashserve.engine.config import EngineConfig
+from flashserve.engine.kv.cache import kv_tag
 from flashserve.engine.prompt_cache import disk as prompt_disk
 from flashserve.engine.prompt_cache import files as prompt_files
 from flashserve.engine.prompt_cache.disk import DiskTier
@@ -206,7 +207,9 @@ def prompt_cache_for(config: EngineConfig, loaded: LoadedModel) -> PromptCache |
     if config.prompt_cache_disk_bytes > 0:
         directory = config.prompt_cache_dir
         try:
-            fingerprint = weights_fingerprint(loaded.path, loaded.config, str(compute_dtype()))
+            # States of another KV precision (kv_bits) are another model's: never mixed.
+            precision = str(compute_dtype()) + kv_tag(config.kv_bits, config.kv_group_size)
+            fingerprint = weights_fingerprint(loaded.path, loaded.config, precision)
             directory = directory or prompt_disk.default_dir(fingerprint)
             disk = DiskTier(
                 Path(directory),
@@ -216,7 +219,8 @@ def prompt_cache_for(config: EngineConfig, loaded: LoadedModel) -> PromptCache |
             )
         except OSError as exc:
             log.warning("prompt cache stays in memory: %s is not usable (%s)", directory, exc)
-    cache = PromptCache(config.prompt_cache_bytes, loaded.model_id, disk)
+    key = loaded.model_id + kv_tag(config.kv_bits, config.kv_group_size)
+    cache = PromptCache(config.prompt_cache_bytes, key, disk)
     residency = getattr(loaded.streamer, "residency", None)
     if residency is not None:
         # Under memory pressure the prompt cache gives memory back before

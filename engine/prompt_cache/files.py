@@ -43,6 +43,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models import cache as mlx_cache
 
+from flashserve.engine.kv import cache as kv_cache
 from flashserve.engine.prompt_cache import segments as prompt_segments
 
 MAGIC = b"FSPCACHE"
@@ -272,7 +273,9 @@ def _rebuild(value: Any, arrays: list[mx.array]) -> Any:
 
 
 def _cache_class(name: str) -> type:
-    cls = getattr(mlx_cache, name, None)
+    # flashserve's quantized cache (kv_bits) first, then mlx-lm's classes.
+    cls = getattr(kv_cache, name, None) if name.startswith("Quantized") else None
+    cls = cls or getattr(mlx_cache, name, None)
     if not isinstance(cls, type) or not hasattr(cls, "from_state"):
         raise EntryError(f"unknown cache class {name!r}")
     return cls

@@ -2,12 +2,14 @@
 
 An agent resends the whole conversation every turn, so each stored state is a
 long prefix already on disk plus a few hundred new tokens. A state whose every
-layer is a plain KVCache (keys and values shaped batch, heads, positions, dim)
-is written as a segment: the positions past the longest prefix already on
-disk, with a link to the segment it continues. Restoring a state joins its
-chain of segments, root first, along the positions axis.
+layer is a plain KVCache (keys and values shaped batch, heads, positions, dim),
+or its quantized form (kv_bits: three such arrays each, packed integers,
+scales and biases, all by position), is written as a segment: the positions
+past the longest prefix already on disk, with a link to the segment it
+continues. Restoring a state joins its chain of segments, root first, along
+the positions axis.
 
-Anything else (recurrent state: ArraysCache; rotating or quantized KV) cannot
+Anything else (recurrent state: ArraysCache; rotating KV) cannot
 be cut by position and is written whole, as one segment with no parent.
 
 `slice_views` runs on the disk writer thread: numpy over byte views, no MLX.
@@ -22,19 +24,29 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
+from flashserve.engine.kv.cache import QuantizedSeqKVCache
+
 _AXIS = 2  # positions, in the (batch, heads, positions, dim) of KVCache's keys and values
+_BY_POSITION = (KVCache, QuantizedSeqKVCache)
 
 
 def splittable(tokens: list[int], cache: list[Any]) -> bool:
-    """Whether `cache` can be cut by position: plain KV of exactly `tokens`."""
+    """Whether `cache` can be cut by position: plain KV of exactly `tokens`, float or
+    quantized (kv_bits: packed integers, scales and biases, each by position)."""
     return bool(cache) and all(
-        type(c) is KVCache
+        type(c) in _BY_POSITION
         and c.keys is not None
-        and c.keys.ndim == 4
-        and c.values.ndim == 4
+        and all(a.ndim == 4 for a in _arrays(c))
         and c.offset == len(tokens)
         for c in cache
     )
+
+
+def _arrays(c: Any) -> list[mx.array]:
+    """A position-cut cache's arrays: keys and values, or each one's quantized parts."""
+    if type(c) is KVCache:
+        return [c.keys, c.values]
+    return [*c.keys, *c.values]
 
 
 def slice_views(
@@ -68,15 +80,21 @@ def join(caches: list[list[Any]], lengths: list[int]) -> list[Any]:
     Every segment holds the same layers; a segment's length is how many of its
     positions the chain uses (its child may continue from part way through it).
     """
-    if len(caches) == 1 and caches[0] and type(caches[0][0]) is not KVCache:
+    if len(caches) == 1 and caches[0] and type(caches[0][0]) not in _BY_POSITION:
         return caches[0]  # written whole
     joined = []
     for layer in zip(*caches, strict=True):
-        keys = [c.keys[:, :, :n] for c, n in zip(layer, lengths, strict=True)]
-        values = [c.values[:, :, :n] for c, n in zip(layer, lengths, strict=True)]
-        cache = KVCache()
-        cache.keys = mx.concatenate(keys, axis=_AXIS) if len(keys) > 1 else keys[0]
-        cache.values = mx.concatenate(values, axis=_AXIS) if len(values) > 1 else values[0]
-        cache.offset = int(cache.keys.shape[_AXIS])
+        parts = [[a[:, :, :n] for a in _arrays(c)] for c, n in zip(layer, lengths, strict=True)]
+        arrays = [
+            mx.concatenate(a, axis=_AXIS) if len(a) > 1 else a[0] for a in zip(*parts, strict=True)
+        ]
+        if type(layer[0]) is KVCache:
+            cache = KVCache()
+            cache.keys, cache.values = arrays
+        else:  # kv_bits: the same precision in every segment (it is in the fingerprint)
+            cache = QuantizedSeqKVCache(layer[0].group_size, layer[0].bits)
+            half = len(arrays) // 2
+            cache.keys, cache.values = tuple(arrays[:half]), tuple(arrays[half:])
+        cache.offset = int(arrays[0].shape[_AXIS])
         joined.append(cache)
     return joined
