@@ -11,7 +11,6 @@ bit pattern is a valid block once its float16 scales are sane.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +19,8 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as T
 from mlx.utils import tree_flatten
+
+from flashserve.engine.weights.gguf.synthetic import tokenizer_metadata
 
 # Byte offsets of each type's float16 super-scales (d, dmin) inside a block, and the
 # largest |q * sub-scale| they multiply: d is drawn so that weights stay near 0.1.
@@ -120,27 +121,8 @@ def write_gguf(path: Path, arch: str, metadata: dict, tensors: list[tuple[str, n
 
 def gpt2_tokenizer_metadata(tokenizer_dir: Path) -> dict:
     """A synthetic model's byte-level BPE tokenizer as GGUF gpt2 tokenizer metadata."""
-    data = json.loads((tokenizer_dir / "tokenizer.json").read_text())
-    config = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
-    vocab = data["model"]["vocab"]
-    specials = {t["id"]: t["content"] for t in data["added_tokens"]}
-    tokens = [""] * (max([*vocab.values(), *specials]) + 1)
-    for text, i in vocab.items():
-        tokens[i] = text
-    for i, text in specials.items():
-        tokens[i] = text
-    merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]]
-    eos = config["eos_token"]
-    return {
-        "tokenizer.ggml.model": "gpt2",
-        "tokenizer.ggml.pre": "gpt2",
-        "tokenizer.ggml.tokens": tokens,
-        "tokenizer.ggml.token_type": [3 if i in specials else 1 for i in range(len(tokens))],
-        "tokenizer.ggml.merges": merges,
-        "tokenizer.ggml.eos_token_id": tokens.index(eos),
-        "tokenizer.ggml.add_bos_token": False,
-        "tokenizer.chat_template": (tokenizer_dir / "chat_template.jinja").read_text(),
-    }
+    # The pre-tokenizer named as older converters wrote it (flashserve reads both).
+    return {**tokenizer_metadata(tokenizer_dir), "tokenizer.ggml.pre": "gpt2"}
 
 
 def _gguf_name(model_type: str, name: str) -> str:

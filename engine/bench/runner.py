@@ -1,6 +1,6 @@
 """`flashserve bench`: tokens/s and memory, side by side in one run.
 
-Sections (all by default):
+Sections (all but cap by default):
   layers   plain mlx-lm vs streaming at several residencies, prefetch on/off
   experts  MoE expert cache at several capacities, prefetch on/off, trace replay
   batch    aggregate tokens/s at 1, 2, 4, 8 concurrent streams
@@ -11,6 +11,8 @@ Sections (all by default):
            and decode at 0% residency against its I/O bound
   distributed  one model on 1 rank and split over 2 local ranks: TTFT, tokens/s,
            the per-step overhead
+  cap      an MoE larger than memory in a cgroup-capped group, against
+           llama-server --no-repack (Linux, root; not in the default list)
   decode   the default model's decode tokens/s at 1, 4, 8 streams: flashserve's
            CPU quantized matmul vs MLX's kernel (and llama.cpp when installed);
            one stream after a 4k-token prompt
@@ -31,6 +33,7 @@ from typing import Any
 
 from flashserve.engine.bench import (
     batch,
+    cap,
     decode,
     distributed,
     experts,
@@ -54,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         "--sections",
         default="layers,experts,batch,prefill,prompt-cache,io,distributed,decode",
         help="comma list of: layers, experts, batch, prefill, prompt-cache, io, distributed, "
-        "decode",
+        "decode, cap (Linux, root: an MoE larger than a cgroup's memory limit)",
     )
     parser.add_argument(
         "--work-dir",
@@ -66,6 +69,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small models, for a smoke run")
     parser.add_argument(
         "--plot", type=Path, metavar="DIR", help="also write the results as PNGs into DIR"
+    )
+    parser.add_argument("--cap", default="1.2GB", help="cap section: the cgroup's memory limit")
+    parser.add_argument("--rounds", type=int, default=2, help="cap section: interleaved rounds")
+    parser.add_argument("--model", type=Path, help="cap section: a qwen3moe GGUF to serve")
+    parser.add_argument(
+        "--llama-server", type=Path, help="cap section: llama.cpp's server, run the same way"
     )
     args = parser.parse_args(argv)
     if args.plot is not None and (missing := plots.check()):
@@ -91,6 +100,16 @@ def main(argv: list[str] | None = None) -> int:
             results[section] = distributed.run(args.work_dir, tokens=args.tokens, quick=args.quick)
         elif section == "decode":
             results[section] = decode.run(args.work_dir, tokens=args.tokens, quick=args.quick)
+        elif section == "cap":  # not in the default list: root, cgroups, minutes per run
+            results[section] = cap.run(
+                args.work_dir,
+                cap=cap.parse_cap(args.cap),
+                tokens=args.tokens,
+                rounds=args.rounds,
+                model=args.model,
+                llama_server=args.llama_server,
+                quick=args.quick,
+            )
         else:
             parser.error(f"unknown section {section!r}")
     if args.plot is not None:

@@ -1,0 +1,43 @@
+"""`flashserve bench --sections cap --quick`: the quick MoE GGUF written and prepared,
+flashserve run in a real cgroup v1 group with --expert-cache auto, its row and
+its targets printed (Linux, root)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import _clean_env
+from tests.test_bench import REPO, _number, _tables
+
+
+def test_quick_cap_section_serves_in_a_cgroup_and_prints_its_row(tmp_path: Path) -> None:
+    if sys.platform != "linux" or os.geteuid() != 0:
+        pytest.skip("the cap section creates cgroups: Linux, root")
+    if not Path("/sys/fs/cgroup/memory/memory.limit_in_bytes").exists():
+        pytest.skip("no cgroup v1 memory controller")
+    cmd = [sys.executable, "-m", "flashserve.server.cli", "bench", "--", "--quick"]
+    cmd += ["--sections", "cap", "--cap", "400MB", "--rounds", "1", "--tokens", "8"]
+    cmd += ["--work-dir", str(tmp_path)]
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=_clean_env(), capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    tables = _tables(proc.stdout)
+    cap = [rows for title, rows in tables.items() if title.startswith("Cap: cap-moe-quick")]
+    assert len(cap) == 1, proc.stdout
+    (row,) = cap[0]
+    assert row["server"] == "flashserve" and row["OOM"] == "no", row
+    assert _number(row["prompt tokens"]) >= 100
+    assert _number(row["TTFT s"]) > 0 and _number(row["decode tok/s"]) > 0
+    assert 0 < _number(row["private MB"]) <= 400
+    assert _number(row["experts MB"]) > 0
+    assert _number(row["cgroup peak MB"]) <= 400
+    # The next turn resends the prompt and the answer: it reuses more than the prompt.
+    assert _number(row["next reused"]) > _number(row["prompt tokens"])
+    assert "next-turn TTFT / TTFT" in proc.stdout.split("Cap targets")[1]
+    assert (tmp_path / "cap-moe-quick" / "cap-moe-quick.gguf").exists()
