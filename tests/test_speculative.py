@@ -235,9 +235,11 @@ def test_prompt_lookup_drafts_what_followed_before() -> None:
 
 
 def test_draft_length_adapts_to_acceptance_and_cost() -> None:
-    assert best_length(0.9, 0.0, 8) == 8  # I/O-bound pass: draft long
-    assert best_length(0.9, 0.5, 8) < 8
-    assert best_length(0.05, 0.2, 8) == 0  # mostly rejected: stop
+    flat = [1.0] * 9  # an I/O-bound pass: any length costs one read
+    assert best_length(0.9, flat) == 8
+    assert best_length(0.9, [1.0 + 0.5 * k for k in range(9)]) < 8
+    assert best_length(0.05, [1.0 + 0.2 * k for k in range(9)]) == 0  # mostly rejected: stop
+    assert best_length(0.9, [1.0, 1.1, 1.2, 1.3, 5, 5, 5, 5, 5]) == 3  # a costly width: avoided
 
 
 def test_server_refuses_unknown_mode(tiny_llama_dir: Path, tmp_path: Path) -> None:

@@ -42,6 +42,7 @@ from flashserve.engine.bench import (
     plots,
     prefill,
     prompt_cache,
+    speculative,
 )
 from flashserve.engine.bench.common import DEFAULT_WORK_DIR
 from flashserve.engine.compute import blas
@@ -110,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
                 llama_server=args.llama_server,
                 quick=args.quick,
             )
+        elif section == "speculative":  # not in the default list: minutes on a CPU
+            results[section] = speculative.run(args.work_dir, quick=args.quick)
         else:
             parser.error(f"unknown section {section!r}")
     if args.plot is not None:

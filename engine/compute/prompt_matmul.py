@@ -17,6 +17,9 @@ MLX's own kernels are fast; nothing is changed there.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -26,11 +29,29 @@ import mlx.nn as nn
 SLICE_BYTES = 64 * 1024 * 1024
 
 
+# Tokens per sequence up to which a call stays on the few-row kernel, as a
+# decode step does: 1, or k+1 while a speculative verification pass runs
+# (engine/speculative/). Its k+1 rows cost the kernel little more than one,
+# where dequantizing every weight for the BLAS costs ~25 decode steps on the
+# default model; and each row's numbers are then a decode step's.
+_decode_rows = [1]
+
+
+@contextmanager
+def decode_rows(tokens: int) -> Iterator[None]:
+    """Within the block, calls of at most `tokens` tokens per sequence run as decode."""
+    _decode_rows.append(tokens)
+    try:
+        yield
+    finally:
+        _decode_rows.pop()
+
+
 class PromptQuantizedLinear(nn.QuantizedLinear):
     """A QuantizedLinear whose multi-token inputs run as dequantize + float matmul."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        if x.ndim < 3 or x.shape[-2] < 2:
+        if x.ndim < 3 or x.shape[-2] <= _decode_rows[-1]:
             return super().__call__(x)
         weight, scales = self["weight"], self["scales"]
         biases = self.get("biases")

@@ -30,6 +30,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import BatchGenerator, GenerationBatch
 
+from flashserve.engine.compute import prompt_matmul
 from flashserve.engine.speculative.accept import Sampling, accept_greedy, accept_sampled
 from flashserve.engine.speculative.adaptive import CostModel, Sequence, SpeculativeStats
 from flashserve.engine.speculative.rollback import can_roll_back, roll_back
@@ -53,7 +54,7 @@ class Speculation:
             raise ValueError(f"speculative must be one of {', '.join(MODES)}, not {config.mode!r}")
         self.config = config
         self.stats = stats
-        self.cost = CostModel(stats)
+        self.cost = CostModel(config.max_draft)
         self.sequences: dict[int, Sequence] = {}
 
     @property
@@ -88,13 +89,11 @@ class SpeculativeBatch(GenerationBatch):
     def next(self) -> list[GenerationBatch.Response]:
         if not self.uids:
             return []
-        drafts = self._drafts()
         start = time.perf_counter()
-        if drafts is None:
-            responses = super().next()
-            self.speculation.cost.plain(time.perf_counter() - start)
-            return responses
-        return self._verify(drafts, start)
+        drafts = self._drafts()
+        width = max((len(d) for d in drafts), default=0) if drafts else 0
+        self.speculation.cost.step(start, width, tuple(self.uids))
+        return super().next() if drafts is None else self._verify(drafts)
 
     def _drafts(self) -> list[list[int]] | None:
         """Each sequence's draft, or None: this step is a plain one."""
@@ -103,19 +102,23 @@ class SpeculativeBatch(GenerationBatch):
             return None
         if not can_roll_back(self.prompt_cache):
             return None
+        costs = self.speculation.cost.costs
+        # The pending token is emitted by this step too: room counts after it.
+        lengths = [
+            seq.length(costs, self.max_tokens[i] - self._num_tokens[i] - 1) if seq else 0
+            for i, seq in enumerate(sequences)
+        ]
+        if not any(lengths):
+            return None  # no wait for the pending tokens: mlx-lm's step stays pipelined
         mx.eval(self._next_tokens)
         pending = self._next_tokens.tolist()
-        slope = self.speculation.stats.cost_slope
-        drafts = []
-        for i, seq in enumerate(sequences):
-            # The pending token is emitted by this step too; drafts past
-            # max_tokens would be thrown away.
-            room = self.max_tokens[i] - self._num_tokens[i] - 1
-            context = [*self.tokens[i], pending[i]]
-            drafts.append(seq.draft(context, slope, room) if seq is not None else [])
+        drafts = [
+            seq.index.draft([*self.tokens[i], pending[i]], k) if seq and k else []
+            for i, (seq, k) in enumerate(zip(sequences, lengths, strict=True))
+        ]
         return drafts if any(drafts) else None
 
-    def _verify(self, drafts: list[list[int]], start: float) -> list[GenerationBatch.Response]:
+    def _verify(self, drafts: list[list[int]]) -> list[GenerationBatch.Response]:
         width = max(len(d) for d in drafts)
         pending = self._next_tokens.tolist()
         # Shorter drafts are padded with their last token: whatever is there is
@@ -124,7 +127,8 @@ class SpeculativeBatch(GenerationBatch):
             [p, *d, *([d[-1] if d else p] * (width - len(d)))]
             for p, d in zip(pending, drafts, strict=True)
         ]
-        logits = self.model(mx.array(rows, dtype=mx.uint32), cache=self.prompt_cache)
+        with prompt_matmul.decode_rows(width + 1):  # the few-row kernels, as decode
+            logits = self.model(mx.array(rows, dtype=mx.uint32), cache=self.prompt_cache)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         targets = mx.argmax(logprobs, axis=-1)
         mx.eval(logprobs, targets)
@@ -154,7 +158,6 @@ class SpeculativeBatch(GenerationBatch):
         stats.sequence_passes += len(self.uids)
         stats.emitted_tokens += sum(kept_tokens)
         stats.refresh()
-        self.speculation.cost.speculative(time.perf_counter() - start, width)
         if len(keep) < len(self.uids):
             self.filter(keep)
         return responses
@@ -171,7 +174,7 @@ class SpeculativeBatch(GenerationBatch):
         stats = self.speculation.stats
         stats.drafted_tokens += drafted
         stats.accepted_tokens += accepted
-        if seq is not None and seq.update(drafted, accepted, stats.cost_slope):
+        if seq is not None and seq.update(drafted, accepted, self.speculation.cost.costs):
             stats.paused += 1
 
     def _respond(

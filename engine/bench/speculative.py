@@ -1,0 +1,274 @@
+"""The `speculative` section of `flashserve bench`: several tokens per pass over the weights.
+
+Rows (issue 44), each decoded twice by one engine, greedy, speculation off
+(the request's `speculative: false`) and on (prompt lookup):
+
+* an agent-style edit on the default model (SmolLM2-135M GGUF, prepared):
+  reproduce a ~300-token code block with one change, at 0% residency (every
+  layer read from disk each pass, page cache dropped after each read) and at
+  100% residency;
+* a prompt whose drafts are mostly rejected (free prose), at 0% residency:
+  the adaptive length should stop speculating where it does not pay;
+* an MoE (the `experts` section's random qwen3_moe) with its expert cache at
+  25% of all experts.
+
+Per row: decode tokens/s off and on and their ratio, weight bytes read per
+generated token, the acceptance rate and tokens per verification pass, and
+whether the two outputs are the same tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from flashserve.engine.bench.common import print_table, start_engine
+from flashserve.engine.bench.experts import bench_moe_model
+from flashserve.engine.config import EngineConfig
+from flashserve.engine.generation.requests import (
+    ErrorEvent,
+    GenerationRequest,
+    SamplingParams,
+    TokenEvent,
+)
+from flashserve.engine.weights.layout import is_current
+
+log = logging.getLogger(__name__)
+
+CODE = '''def load_settings(path):
+    """Read the settings file and return a dict of its values."""
+    settings = {}
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            key, _, value = line.partition("=")
+            settings[key.strip()] = value.strip()
+    return settings
+
+
+def save_settings(path, settings):
+    """Write the settings back, one key = value per line, sorted by key."""
+    with open(path, "w") as f:
+        for key in sorted(settings):
+            f.write(f"{key} = {settings[key]}\\n")
+
+
+def merge_settings(base, override):
+    """The base settings with every key of override on top."""
+    merged = dict(base)
+    for key, value in override.items():
+        merged[key] = value
+    return merged
+
+
+def check_settings(settings, required):
+    """Raise KeyError naming the first required key that is missing."""
+    for key in required:
+        if key not in settings:
+            raise KeyError(f"missing setting: {key}")
+    return True
+'''
+EDIT = (
+    "Here is a Python file:\n\n```python\n" + CODE + "```\n\n"
+    "Rewrite the whole file with `load_settings` renamed to `read_settings`. "
+    "Reply with the complete file in one code block."
+)
+PROSE = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+EDIT_TOKENS, QUICK_TOKENS = 320, 64
+MOE_CACHE_FRACTION = 0.25
+TARGETS = {"edit-0%": 2.0, "edit-100%": 1.3, "rejected-0%": 0.95, "moe-25%": 1.0}
+
+
+@dataclass
+class Run:
+    tokens: list[int]
+    seconds: float  # first token to last
+    bytes_read: int  # weights read from disk, whole request
+    drafted: int = 0
+    accepted: int = 0
+    passes: int = 0
+    emitted: int = 0
+    sequence_passes: int = 0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return (len(self.tokens) - 1) / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class Row:
+    name: str
+    model: str
+    off_tokens_per_s: float
+    on_tokens_per_s: float
+    speedup: float
+    target: float
+    off_bytes_per_token: float
+    on_bytes_per_token: float
+    acceptance: float
+    tokens_per_pass: float
+    tokens: int
+    identical: bool
+
+
+def default_prepared(work_dir: Path) -> Path:
+    """The default model, prepared once (the `layers` section's copy)."""
+    from flashserve.engine.weights.prepare import prepare
+    from flashserve.engine.weights.sources import default_model_path
+
+    prepared = work_dir / "layers-default" / "prepared"
+    if not is_current(prepared):
+        log.info("preparing the default model into %s", prepared)
+        prepare(str(default_model_path()), prepared, force=True)
+    return prepared
+
+
+def generate(engine: Any, prompt: list[int], tokens: int, speculative: bool) -> Run:
+    """One greedy request; its tokens, decode time and the bytes and drafts it cost."""
+    spec = engine.stats.speculative
+    before = (spec.drafted_tokens, spec.accepted_tokens, spec.passes)
+    before += (spec.emitted_tokens, spec.sequence_passes)
+    read = engine.weight_bytes_read()
+    request = GenerationRequest(
+        prompt, tokens, SamplingParams(temperature=0.0), speculative=speculative
+    )
+
+    async def go() -> tuple[list[int], list[float]]:
+        out, times = [], []
+        async for event in engine.submit(request):
+            if isinstance(event, ErrorEvent):
+                raise RuntimeError(f"bench request failed: {event.message}")
+            if isinstance(event, TokenEvent):
+                out.append(event.token)
+                times.append(time.perf_counter())
+        return out, times
+
+    out, times = asyncio.run(go())
+    after = (spec.drafted_tokens, spec.accepted_tokens, spec.passes)
+    after += (spec.emitted_tokens, spec.sequence_passes)
+    delta = [a - b for a, b in zip(after, before, strict=True)]
+    return Run(
+        out,
+        times[-1] - times[0] if len(times) > 1 else 0.0,
+        engine.weight_bytes_read() - read,
+        *delta,
+    )
+
+
+def measure(name: str, config: EngineConfig, text: str, tokens: int, chat: bool) -> Row:
+    """Off, then on, after a warm-up request (kernels, expert cache, allocator)."""
+    engine = start_engine(config)
+    try:
+        assert engine.loaded is not None
+        tokenizer = engine.loaded.tokenizer
+        if chat:
+            messages = [{"role": "user", "content": text}]
+            prompt = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        else:
+            prompt = tokenizer.encode(text)
+        generate(engine, prompt, min(tokens, 16), False)
+        off = generate(engine, prompt, tokens, False)
+        on = generate(engine, prompt, tokens, True)
+    finally:
+        engine.shutdown()
+    n_off, n_on = max(len(off.tokens), 1), max(len(on.tokens), 1)
+    return Row(
+        name=name,
+        model=Path(config.model or "").parent.name,
+        off_tokens_per_s=off.tokens_per_s,
+        on_tokens_per_s=on.tokens_per_s,
+        speedup=on.tokens_per_s / off.tokens_per_s if off.tokens_per_s else 0.0,
+        target=TARGETS[name],
+        off_bytes_per_token=off.bytes_read / n_off,
+        on_bytes_per_token=on.bytes_read / n_on,
+        acceptance=on.accepted / on.drafted if on.drafted else 0.0,
+        tokens_per_pass=on.emitted / on.sequence_passes if on.sequence_passes else 1.0,
+        tokens=len(on.tokens),
+        identical=on.tokens == off.tokens,
+    )
+
+
+def run(work_dir: Path, *, quick: bool = False) -> list[dict]:
+    tokens = QUICK_TOKENS if quick else EDIT_TOKENS
+    default = default_prepared(work_dir)
+    streamed = {"residency": "fixed", "resident_layers": 0}
+    cold = {"stream_drop_page_cache": True}  # every streamed read from the disk
+    base = {"speculative": "prompt-lookup", "speculative_max_draft": 8}
+    moe = bench_moe_model(work_dir, quick)
+    slots = _expert_count(moe)
+    rows = [
+        measure(
+            "edit-0%",
+            EngineConfig(model=str(default), **base, **streamed, extra=cold),
+            EDIT,
+            tokens,
+            chat=True,
+        ),
+        measure("edit-100%", EngineConfig(model=str(default), **base), EDIT, tokens, chat=True),
+        measure(
+            "rejected-0%",
+            EngineConfig(model=str(default), **base, **streamed, extra=cold),
+            PROSE,
+            tokens,
+            chat=True,
+        ),
+        measure(
+            "moe-25%",
+            EngineConfig(
+                model=str(moe), **base, expert_cache=str(max(1, int(slots * MOE_CACHE_FRACTION)))
+            ),
+            EDIT,
+            tokens,
+            chat=False,
+        ),
+    ]
+    print_table(
+        f"Speculative decoding (prompt lookup, at most 8 drafted), greedy, up to {tokens} "
+        "tokens; off / on from one engine; bytes = weights read from disk per token",
+        [
+            "row",
+            "off tok/s",
+            "on tok/s",
+            "on/off",
+            "target",
+            "MB/token off",
+            "MB/token on",
+            "accepted",
+            "tokens/pass",
+            "tokens",
+            "same tokens",
+        ],
+        [
+            [
+                r.name,
+                r.off_tokens_per_s,
+                r.on_tokens_per_s,
+                r.speedup,
+                f">= {r.target}",
+                r.off_bytes_per_token / 1e6,
+                r.on_bytes_per_token / 1e6,
+                f"{r.acceptance:.0%}",
+                r.tokens_per_pass,
+                r.tokens,
+                "yes" if r.identical else "NO",
+            ]
+            for r in rows
+        ],
+    )
+    return [asdict(r) for r in rows]
+
+
+def _expert_count(prepared: Path) -> int:
+    """Experts of every MoE layer of a prepared model (the expert cache's slots for 100%)."""
+    import json
+
+    config = json.loads((prepared / "config.json").read_text())
+    text = config.get("text_config") or config
+    layers = int(text["num_hidden_layers"])
+    return layers * int(text["num_experts"])
