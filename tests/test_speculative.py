@@ -122,6 +122,42 @@ def test_chat_with_tools_identity(llama_spec: Server) -> None:
     assert ask(True) == ask(False)
 
 
+def test_penalties_and_logit_bias_identity(llama_spec: Server) -> None:
+    """Processors run position by position over the draft, as in plain steps."""
+    check_identity(
+        llama_spec, True, logit_bias={"0": -100, "1": -100}, repetition_penalty=1.1, logprobs=2
+    )
+
+
+def test_grammar_identity_and_rollback(llama_spec: Server) -> None:
+    """A JSON schema's grammar runs over drafted tokens, ends drafts it forbids, and is
+    rolled back past rejected ones: the same JSON with speculation on as off."""
+    schema = {
+        "type": "object",
+        "properties": {"code": {"type": "string"}, "lines": {"type": "integer"}},
+        "required": ["code", "lines"],
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "edit", "schema": schema}}
+
+    def ask(speculative: bool) -> str:
+        body = {
+            "messages": [{"role": "user", "content": "Return this code as JSON:\n" + CODE * 3}],
+            "response_format": fmt,
+            "max_tokens": 60,
+            "temperature": 0,
+            "speculative": speculative,
+        }
+        response = llama_spec.http().post("/v1/chat/completions", json=body)
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]["message"]["content"]
+
+    plain = ask(False)
+    before = spec_counters(llama_spec)
+    assert ask(True) == plain
+    after = spec_counters(llama_spec)
+    assert after["passes_total"] > before["passes_total"]
+
+
 def test_speculative_field_is_validated(llama_spec: Server) -> None:
     body = {"prompt": "x", "max_tokens": 2, "speculative": "sometimes"}
     response = llama_spec.http().post("/v1/completions", json=body)

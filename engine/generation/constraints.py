@@ -27,6 +27,11 @@ from flashserve.engine.weights.tokenizer import hf_tokenizer
 log = logging.getLogger(__name__)
 
 
+# Tokens a grammar can be taken back by: more than a speculative draft's longest
+# (speculative_max_draft is at most 64) plus the token after it.
+MAX_ROLLBACK = 72
+
+
 class GrammarError(ValueError):
     """A grammar (or JSON schema) that cannot be compiled or stopped working during
     generation; the message says why, `param` names the request field it came from."""
@@ -109,6 +114,7 @@ class GrammarProcessor:
         self._check()
         self._seen: int | None = None  # tokens already given to the matcher
         self._after = list(after or [])
+        self._recent: list[int] = []  # the last tokens given, for a speculative rollback
 
     def _check(self) -> None:
         # A matcher in error would leave the logits unmasked (or all masked):
@@ -129,17 +135,45 @@ class GrammarProcessor:
             self._seen = tokens.shape[0]
         elif self._seen is None:
             self._seen = tokens.shape[0]  # the prompt
-        elif tokens.shape[0] > self._seen:
-            new = tokens[self._seen :].tolist()
-            self._seen = tokens.shape[0]
-            if not self._matcher.is_stopped() and not self._matcher.consume_tokens(new):
-                # The grammar grew too complex for the parser's limits (a schema that
-                # requires itself), or another processor overrode the mask.
-                self._check()
-                raise GrammarError(f"Cannot enforce {self._param or 'the grammar'}", self._param)
+        else:
+            self._roll_back(tokens)
+            if tokens.shape[0] > self._seen:
+                new = tokens[self._seen :].tolist()
+                self._seen = tokens.shape[0]
+                self._recent = (self._recent + new)[-MAX_ROLLBACK:]
+                if not self._matcher.is_stopped() and not self._matcher.consume_tokens(new):
+                    # The grammar grew too complex for the parser's limits (a schema
+                    # that requires itself), or another processor overrode the mask.
+                    self._check()
+                    raise GrammarError(
+                        f"Cannot enforce {self._param or 'the grammar'}", self._param
+                    )
         mask = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
         self._check()
         return apply_bitmask(logits, mask)
+
+    @property
+    def speculative_ok(self) -> bool:
+        """Whether a speculative step may run it ahead over drafted tokens: it rolls
+        back what was rejected (not while a reasoning gate is open: its closing
+        is not rolled back)."""
+        return not self._after
+
+    def _roll_back(self, tokens: mx.array) -> None:
+        """Take back the tokens given to the matcher that `tokens` no longer has there:
+        drafted tokens a speculative step ran the grammar over, then rejected."""
+        if self._seen is None or self._matcher.is_stopped() or not self._recent:
+            return
+        start = self._seen - len(self._recent)
+        now = tokens[start : min(self._seen, tokens.shape[0])].tolist()
+        same = 0
+        while same < len(now) and now[same] == self._recent[same]:
+            same += 1
+        back = len(self._recent) - same
+        if back:
+            self._matcher.rollback(back)
+            self._recent = self._recent[:same]
+            self._seen -= back
 
 
 def apply_bitmask(logits: mx.array, mask: np.ndarray) -> mx.array:
@@ -159,6 +193,8 @@ class ForcedTokens:
     For tests: a tiny random-weight model becomes a model that says exactly
     what the test scripts, through the real generation path.
     """
+
+    speculative_ok = True  # its mask depends on the context's length alone
 
     def __init__(self, token_ids: list[int], eos_id: int):
         self._script = [*list(token_ids), eos_id]

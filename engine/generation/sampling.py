@@ -63,9 +63,19 @@ class GuardedProcessors:
     request with its error afterwards.
     """
 
-    def __init__(self, processors: list[LogitsProcessor]):
+    def __init__(self, processors: list[LogitsProcessor], builtin: int = 0):
+        """`builtin`: the first processors are mlx-lm's (penalties, logit_bias), which
+        depend on the context alone."""
         self.error: Exception | None = None
         self._processors = processors
+        self._builtin = builtin
+
+    @property
+    def speculative_ok(self) -> bool:
+        """Whether a speculative step may call them over drafted tokens, position by
+        position, and then continue from a shorter context (engine/speculative/)."""
+        extra = self._processors[self._builtin :]
+        return all(getattr(p, "speculative_ok", False) for p in extra)
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
         if self.error is not None:
@@ -82,13 +92,14 @@ class GuardedProcessors:
 def make_request_processors(
     params: SamplingParams, extra: list[LogitsProcessor]
 ) -> GuardedProcessors | None:
-    processors = make_logits_processors(
+    builtin = make_logits_processors(
         logit_bias=params.logit_bias,
         repetition_penalty=params.repetition_penalty if params.repetition_penalty != 1 else None,
         presence_penalty=params.presence_penalty or None,
         frequency_penalty=params.frequency_penalty or None,
-    ) + list(extra)
-    return GuardedProcessors(processors) if processors else None
+    )
+    processors = builtin + list(extra)
+    return GuardedProcessors(processors, len(builtin)) if processors else None
 
 
 def sample_first(

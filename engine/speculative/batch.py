@@ -98,7 +98,9 @@ class SpeculativeBatch(GenerationBatch):
     def _drafts(self) -> list[list[int]] | None:
         """Each sequence's draft, or None: this step is a plain one."""
         sequences = [self.speculation.sequences.get(uid) for uid in self.uids]
-        if not any(sequences) or any(self.logits_processors):
+        if not any(sequences) or not all(
+            getattr(p, "speculative_ok", False) for ps in self.logits_processors for p in ps
+        ):
             return None
         if not can_roll_back(self.prompt_cache):
             return None
@@ -129,6 +131,14 @@ class SpeculativeBatch(GenerationBatch):
         ]
         with prompt_matmul.decode_rows(width + 1):  # the few-row kernels, as decode
             logits = self.model(mx.array(rows, dtype=mx.uint32), cache=self.prompt_cache)
+        contexts: dict[int, int] = {}  # sequence -> its processors' context size before
+        if any(self.logits_processors):
+            logits = mx.stack(
+                [
+                    self._process(i, logits[i], pending[i], drafts, contexts)
+                    for i in range(len(rows))
+                ]
+            )
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         targets = mx.argmax(logprobs, axis=-1)
         mx.eval(logprobs, targets)
@@ -144,6 +154,8 @@ class SpeculativeBatch(GenerationBatch):
             nexts.append(after)
             self._account(seq, len(draft), n)
         responses, keep, kept_tokens = self._respond(emitted, rows_used)
+        for i, size in contexts.items():  # the processors' context: what the cache keeps
+            self._token_context[i]._size = size + kept_tokens[i]
         roll_back(self.prompt_cache, [width + 1 - k for k in kept_tokens])
         for i in range(len(self.uids)):
             self.tokens[i].extend(emitted[i][: kept_tokens[i]])
@@ -161,6 +173,37 @@ class SpeculativeBatch(GenerationBatch):
         if len(keep) < len(self.uids):
             self.filter(keep)
         return responses
+
+    def _process(
+        self,
+        i: int,
+        logits: mx.array,
+        pending: int,
+        drafts: list[list[int]],
+        contexts: dict[int, int],
+    ) -> mx.array:
+        """Sequence i's logits (positions, vocab) through its processors, position by
+        position, each seeing the context up to it, as in a plain step. A drafted
+        token they forbid (a grammar's -inf) ends the draft there (drafts[i] is cut)."""
+        processors = self.logits_processors[i]
+        if not processors:
+            return logits
+        buffer = self._token_context[i]
+        contexts[i] = buffer._size
+        context = buffer.update_and_fetch(mx.array([pending], dtype=mx.int32))
+        draft, rows = drafts[i], []
+        for j in range(len(draft) + 1):
+            row = logits[j : j + 1]
+            for processor in processors:
+                row = processor(context, row)
+            rows.append(row)
+            if j == len(draft):
+                break
+            if row[0, draft[j]].item() == -float("inf"):
+                drafts[i] = draft[:j]
+                break
+            context = buffer.update_and_fetch(mx.array([draft[j]], dtype=mx.int32))
+        return mx.concatenate([*rows, logits[len(rows) :]], axis=0)
 
     def _accept(
         self, seq: Sequence | None, draft: list[int], logprobs: mx.array, targets: list[int]
