@@ -38,6 +38,19 @@ def complete(server: Server, prompt: str, speculative: bool, **kwargs: Any) -> d
     return response.json()["choices"][0]
 
 
+def chat(server: Server, speculative: bool, ask: str, **kwargs: Any) -> dict:
+    """A greedy chat turn about CODE; its message."""
+    body = {
+        "messages": [{"role": "user", "content": ask + CODE * 3}],
+        "max_tokens": 50,
+        "temperature": 0,
+        "speculative": speculative,
+    }
+    response = server.http().post("/v1/chat/completions", json={**body, **kwargs})
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["message"]
+
+
 def spec_counters(server: Server) -> dict[str, float]:
     text = httpx.get(server.url + "/metrics", timeout=30).text
     out = {}
@@ -108,16 +121,7 @@ def test_chat_with_tools_identity(llama_spec: Server) -> None:
     ]
 
     def ask(speculative: bool) -> dict:
-        body = {
-            "messages": [{"role": "user", "content": "Edit this file:\n" + CODE * 3}],
-            "tools": tools,
-            "max_tokens": 40,
-            "temperature": 0,
-            "speculative": speculative,
-        }
-        response = llama_spec.http().post("/v1/chat/completions", json=body)
-        assert response.status_code == 200, response.text
-        return response.json()["choices"][0]["message"]
+        return chat(llama_spec, speculative, "Edit this file:\n", tools=tools)
 
     assert ask(True) == ask(False)
 
@@ -140,16 +144,8 @@ def test_grammar_identity_and_rollback(llama_spec: Server) -> None:
     fmt = {"type": "json_schema", "json_schema": {"name": "edit", "schema": schema}}
 
     def ask(speculative: bool) -> str:
-        body = {
-            "messages": [{"role": "user", "content": "Return this code as JSON:\n" + CODE * 3}],
-            "response_format": fmt,
-            "max_tokens": 60,
-            "temperature": 0,
-            "speculative": speculative,
-        }
-        response = llama_spec.http().post("/v1/chat/completions", json=body)
-        assert response.status_code == 200, response.text
-        return response.json()["choices"][0]["message"]["content"]
+        message = chat(llama_spec, speculative, "As JSON:\n", response_format=fmt)
+        return message["content"]
 
     plain = ask(False)
     before = spec_counters(llama_spec)
