@@ -8,15 +8,18 @@ the host's available memory; streaming/memory.py) and takes out, in order:
 
 * what is in use already (`limit - available` at load: the interpreter, the
   server, MLX, the non-layer weights just loaded);
-* the shed floor and as much again as headroom, so the steady state never
-  trips shedding (the floor itself shrinks with the limit: 4% of it, at
+* the shed floor and half as much again as headroom, so the steady state
+  never trips shedding (the floor itself shrinks with the limit: 4% of it, at
   least 32 MB, never more than the configured floor);
 * the runtime reserve: MLX's buffer pool (its cache limit is set to the
   number planned here; MLX's default is the whole host's memory), a prefill
-  chunk's activations, the expert reads in flight and the store's spare
-  record buffers, and a measured margin for the Python heap (RUNTIME_BASE);
+  chunk's activations and the hidden states a layer-major prefill holds, the
+  expert reads in flight and the store's spare record buffers, and a measured
+  margin for the Python heap (RUNTIME_BASE); under a limit below 4 GB the
+  prefill takes 256-token chunks and 4 expert I/O threads, to hold less;
 * KV for `residency_mode`'s tokens (balanced: 1024), and the prompt cache's
-  memory tier: one such context (the disk tier keeps the rest);
+  memory tier: half such a context with the disk tier on (the disk keeps the
+  rest), one without;
 * dense layers (attention, norms, router: the layers without their experts)
   resident before any expert is cached: a resident dense byte saves one byte
   read per token, an expert-cache byte at most top_k / num_experts of one
@@ -33,6 +36,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import mlx.core as mx
@@ -49,11 +53,18 @@ MIN_FLOOR = 32 * MB
 # Measured on a tiny MoE served in a cgroup (docs/guides/memory-cap.md): the
 # private memory a served request adds besides weights, KV, experts, MLX's pool
 # and the activations counted below (Python objects, tokenizer and HTTP state).
-RUNTIME_BASE = 48 * MB
+RUNTIME_BASE = 64 * MB
 MLX_CACHE_FRACTION = 0.03  # MLX's buffer pool: 3% of the limit ...
 MLX_CACHE_MAX = 64 * MB  # ... at most this; freed buffers past it go back to the OS
 EXPERT_SAFETY = 0.95  # of the room left: allocator slack and page rounding
-GROUP_FRACTION = 0.08  # of the limit: hidden states a layer-major prefill may hold
+GROUP_FRACTION = 0.04  # of the limit: hidden states a layer-major prefill may hold
+# Under a limit this small the plan also trims what a prefill holds at once:
+# 256-token chunks (a 512-token chunk's attention scores alone are heads x 1 MB)
+# and 4 expert I/O threads (8 records in flight; 2 MB records at a few hundred
+# MB/s keep a disk busy with fewer).
+SMALL_LIMIT = 4 << 30
+SMALL_STEP = 256
+SMALL_THREADS = 4
 # glibc serves blocks from its arenas up to a threshold that grows to the largest
 # block freed (up to 32 MB): a prefill's activations then stay in the arenas as
 # free memory it keeps. A fixed threshold puts large blocks in their own maps,
@@ -129,6 +140,7 @@ def plan_memory(
     kv_tokens: int,
     prompt_cache_bytes: int,
     resident_layers: int | None = None,
+    disk_tier: bool = False,
 ) -> MemoryPlan:
     """Divide `available` (of `limit`) as the module doc says.
 
@@ -140,7 +152,7 @@ def plan_memory(
     floor = min(int(shed_floor), max(MIN_FLOOR, int(limit * FLOOR_FRACTION)))
     reasons.append(
         f"shed floor {fmt_bytes(floor)}: 4% of the limit (at least 32 MB, at most the "
-        f"configured {fmt_bytes(shed_floor)}), and as much again as headroom"
+        f"configured {fmt_bytes(shed_floor)}), and half as much again as headroom"
     )
     mlx_cache = min(MLX_CACHE_MAX, int(limit * MLX_CACHE_FRACTION))
     io_buffers = 2 * shape.io_window * shape.record_bytes  # in flight + the spare pool
@@ -151,12 +163,19 @@ def plan_memory(
         f"reads {fmt_bytes(io_buffers)} (2 x {shape.io_window} records)"
     )
     kv = kv_tokens * shape.kv_bytes_per_token
-    prompt = min(int(prompt_cache_bytes), kv)
+    # With a disk tier, half a context in memory: the newest states stay (the next
+    # turn of a short conversation); longer ones come back from disk (~KV bytes).
+    prompt = min(int(prompt_cache_bytes), kv // 2 if disk_tier else kv)
     reasons.append(
-        f"prompt cache memory tier {fmt_bytes(prompt)}: one context of {kv_tokens} tokens "
-        "(older states live on the disk tier)"
+        f"prompt cache memory tier {fmt_bytes(prompt)}: "
+        + (
+            f"half a context of {kv_tokens} tokens (the disk tier keeps the rest)"
+            if disk_tier
+            else f"one context of {kv_tokens} tokens (no disk tier)"
+        )
     )
-    room = available - 2 * floor - runtime - kv - prompt
+    headroom = floor // 2
+    room = available - floor - headroom - runtime - kv - prompt
     min_experts = 2 * shape.top_k * shape.record_bytes
     num_layers = len(shape.layer_bytes)
     largest = max(shape.layer_bytes, default=0)
@@ -196,7 +215,7 @@ def plan_memory(
         available_bytes=int(available),
         in_use_bytes=max(0, int(limit) - int(available)),
         shed_floor_bytes=floor,
-        headroom_bytes=floor,
+        headroom_bytes=headroom,
         mlx_cache_limit_bytes=mlx_cache,
         runtime_reserve_bytes=runtime,
         kv_reserve_bytes=kv,
@@ -256,7 +275,7 @@ def apply_memory_plan(
     layer_bytes: list[int],
     kv_bytes_per_token: int,
     context_length: int,
-    activations: int,
+    activations: Callable[[], int],
 ) -> MemoryPlan:
     """Plan from this process's real limit and write the plan into `config`.
 
@@ -266,13 +285,17 @@ def apply_memory_plan(
     the plan and its reasons.
     """
     memory = system_memory()
+    small = memory.total < SMALL_LIMIT
+    if small:
+        config.prefill_step_size = min(int(config.prefill_step_size), SMALL_STEP)
+        config.expert_threads = min(int(config.expert_threads), SMALL_THREADS)
     group = min(int(config.prefill_group_bytes), max(MIN_FLOOR, int(memory.total * GROUP_FRACTION)))
     shape = shape_from_manifest(
         manifest,
         layer_bytes,
         model_config,
         kv_bytes_per_token=kv_bytes_per_token,
-        activation_bytes=activations + group,
+        activation_bytes=activations() + group,
         prefetch_depth=max(0, int(config.prefetch_depth)),
         io_window=max(2 * int(config.expert_threads), 4),  # experts/offload.py's prefill window
     )
@@ -285,7 +308,13 @@ def apply_memory_plan(
         kv_tokens=MODES.get(config.residency_mode) or context_length,
         prompt_cache_bytes=int(config.prompt_cache_bytes),
         resident_layers=config.resident_layers,
+        disk_tier=config.prompt_cache_disk_bytes > 0,
     )
+    if small:
+        plan.reasons.append(
+            f"limit under {fmt_bytes(SMALL_LIMIT)}: prefill chunks of {config.prefill_step_size} "
+            f"tokens, {config.expert_threads} expert I/O threads"
+        )
     config.expert_cache = f"{plan.expert_cache_bytes}B"
     config.resident_layers = plan.resident_layers
     config.memory_budget = None

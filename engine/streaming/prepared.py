@@ -238,7 +238,7 @@ def load_prepared(path: Path, config: EngineConfig) -> LoadedModel:
             layer_bytes=layer_bytes,
             kv_bytes_per_token=kv_per_token,
             context_length=context_length,
-            activations=activation_bytes(model_config, config),
+            activations=lambda: activation_bytes(model_config, config),
         )
     plan = plan_residency(
         config,
