@@ -31,6 +31,7 @@ SOURCES = [
     "engine/compute/csrc/step_sdpa.cpp",
     "engine/compute/csrc/step_cache.cpp",
     "engine/compute/csrc/prompt_softmax.cpp",
+    "engine/compute/csrc/prompt_dequant.cpp",
 ]
 
 

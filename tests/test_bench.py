@@ -230,3 +230,37 @@ def test_quick_decode_section_prints_both_kernels_and_its_targets(tmp_path: Path
     assert re.search(r"^  1 stream / llama.cpp( 1 stream: [0-9.]+x|: not measured)", targets, re.M)
     compiled = re.search(r"compiled step / step built by Python: ([0-9.]+)x", targets)
     assert compiled and float(compiled.group(1)) > 0, targets
+
+
+def test_quick_agent_turn_section_prints_its_rows_and_bounds(tmp_path: Path) -> None:
+    """The agent-turn section (the default model): cold prefill on every core and on one
+    thread with cores busy, at 100% and 0% residency; the agent turn beside its bound; a
+    llama-server row only when a binary is given (here none: the row says so)."""
+    cmd = [sys.executable, "-m", "flashserve.server.cli", "bench", "--", "--quick"]
+    cmd += ["--sections", "agent-turn", "--work-dir", str(tmp_path)]
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=_clean_env(), capture_output=True, text=True, timeout=2 * TIMEOUT_S
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    tables = _tables(proc.stdout)
+    cold = [rows for t, rows in tables.items() if t.startswith("Cold prefill of a")]
+    assert len(cold) == 1, proc.stdout
+    seen = {(r["residency"], r["prefill"]) for r in cold[0]}
+    assert seen == {
+        (residency, prefill)
+        for residency in ("100%", "0% (streamed)")
+        for prefill in ("all cores", "one thread (before)")
+    }
+    for row in cold[0]:
+        assert _number(row["tok/s"]) > 0 and _number(row["cores busy"]) > 0, row
+    targets = proc.stdout.split("Agent-turn targets")[1]
+    assert re.search(r"^  cold prefill, all cores / one thread: [0-9.]+x$", targets, re.M)
+    assert re.search(r"^  cores busy: [0-9.]+ \(target >= 1.8\) (met|MISSED)$", targets, re.M)
+    assert re.search(r"^  cold prefill / llama-server: not measured: no llama", targets, re.M)
+    agent = [rows for t, rows in tables.items() if t.startswith("Agent turn:")]
+    assert len(agent) == 1 and len(agent[0]) == 1, proc.stdout
+    row = agent[0][0]
+    assert int(row["reused"]) >= 600  # the cached conversation was found
+    bound = 1.3 * (_number(row["cold 40 s"]) + _number(row["attention 40 x 640 s"]))
+    assert abs(_number(row["bound s"]) - bound) < 0.02
+    assert re.search(r"agent turn TTFT [0-9.]+ s, bound 1.3 x \(", targets)

@@ -3,16 +3,24 @@
 
 from __future__ import annotations
 
+import json
+import os
+import platform
+import subprocess
+import sys
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
 
-from flashserve.engine.compute import prompt_matmul
+from flashserve.engine.compute import cores, prompt_matmul, qmm
 from flashserve.engine.compute.prompt_matmul import PromptQuantizedLinear
 from flashserve.engine.config import EngineConfig
 from flashserve.engine.loader import load
 from flashserve.engine.weights.synthetic import make_model_dir
+
+from .conftest import REPO
 
 
 def quantized(bias: bool, bits: int = 4, group_size: int = 32) -> nn.QuantizedLinear:
@@ -54,14 +62,14 @@ def test_weight_is_dequantized_in_slices(monkeypatch):
     x = mx.random.normal((1, 12, 256), key=mx.random.key(11))
     whole = prompt(x)
     calls = []
-    real = mx.dequantize
+    real = prompt_matmul._dequantize
 
     def spy(w, *args, **kwargs):
         calls.append(w.shape[0])
         return real(w, *args, **kwargs)
 
     monkeypatch.setattr(prompt_matmul, "SLICE_BYTES", 256 * 4 * 40)  # 40 rows of float32
-    monkeypatch.setattr(prompt_matmul.mx, "dequantize", spy)
+    monkeypatch.setattr(prompt_matmul, "_dequantize", spy)
     sliced = prompt(x)
     assert calls == [40, 40, 16]
     np.testing.assert_allclose(np.array(sliced), np.array(whole), rtol=1e-6, atol=1e-6)
@@ -107,3 +115,128 @@ def test_float_weight_never_exists_whole(monkeypatch):
     whole, sliced = peak(2**30), peak(2 * 2**20)  # one slice vs 8 slices
     assert whole > 16 * 2**20
     assert sliced < whole / 3
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_dequantize_op_gives_mlx_numbers_bit_for_bit(bits, group_size):
+    """flashserve's dequantize (csrc/prompt_dequant.cpp, on the kernel's threads) is
+    mx.dequantize exactly, float16 scales included (a GGUF's, cast to float32)."""
+    ext = qmm.extension()
+    if ext is None or not hasattr(ext, "dequantize"):
+        pytest.skip(f"the CPU extension does not run here: {qmm.unavailable_reason()}")
+    w = mx.random.normal((300, 1024), key=mx.random.key(bits * group_size)) * 3
+    wq, scales, biases = mx.quantize(w, group_size=group_size, bits=bits)
+    for s, b in ((scales, biases), (scales.astype(mx.float16), biases.astype(mx.float16))):
+        s32, b32 = s.astype(mx.float32), b.astype(mx.float32)
+        want = mx.dequantize(wq, s32, b32, group_size=group_size, bits=bits)
+        got = ext.dequantize(wq, s32, b32, group_size, bits)
+        assert got.dtype == mx.float32 and got.shape == (300, 1024)
+        assert mx.array_equal(got, want).item()
+    # A slice of rows (what prompt_matmul hands it) is a view MLX makes contiguous.
+    part = ext.dequantize(wq[100:200], scales[100:200], biases[100:200], group_size, bits)
+    want = mx.dequantize(wq, scales, biases, group_size=group_size, bits=bits)
+    assert mx.array_equal(part, want[100:200]).item()
+
+
+def test_usable_cores_follow_the_cgroup_quota(tmp_path):
+    affinity = len(os.sched_getaffinity(0))
+    assert cores.usable(tmp_path) == affinity  # no cgroup files: the affinity mask
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert cores.quota_cores(tmp_path) is None
+    assert cores.usable(tmp_path) == affinity
+    (tmp_path / "cpu.max").write_text("50000 100000\n")  # half a core
+    assert cores.quota_cores(tmp_path) == 0.5
+    assert cores.usable(tmp_path) == 1
+    (tmp_path / "cpu.max").unlink()
+    (tmp_path / "cpu").mkdir()  # cgroup v1
+    (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("150000\n")
+    (tmp_path / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    assert cores.quota_cores(tmp_path) == 1.5
+    assert cores.usable(tmp_path) == min(affinity, 2)  # 1.5 cores: a second thread still gains
+
+
+# Runs in a fresh interpreter: MKL must be chosen before mlx is imported. A real
+# quantized model (files) prefills prompts of several lengths on one thread with
+# MLX's dequantize (the path before issue 42) and on every core; records the
+# thread counts MKL was given.
+PARALLEL_PROBE = """
+import json, sys
+from flashserve.engine.compute import blas
+blas.select("auto")
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+from flashserve.engine.compute import cores, prompt_matmul, qmm
+from flashserve.engine.config import EngineConfig
+from flashserve.engine.loader import load
+
+counts = []
+real = blas._set_threads
+def spy(n):
+    counts.append((n, blas.mkl_threads()))
+    real(n)
+blas._set_threads = spy
+inside = []
+real_dq = prompt_matmul._dequantize
+def dq(*args):
+    inside.append(blas.mkl_threads())
+    return real_dq(*args)
+prompt_matmul._dequantize = dq
+
+model = load(EngineConfig(model=sys.argv[1])).model
+prompt = mx.array([[(37 * i) % 200 + 3 for i in range(240)]])
+
+def run(chunks):
+    cache = make_prompt_cache(model)
+    start, outs = 0, []
+    for n in chunks:
+        outs.append(model(prompt[:, start:start + n], cache=cache)[:, -1])
+        mx.eval(outs[-1])
+        start += n
+    return outs[-1]
+
+out = {}
+for on in (False, True):
+    prompt_matmul.set_parallel(on)
+    inside.clear()
+    out[str(on)] = {
+        str(chunks): run(chunks).tolist()
+        for chunks in ([240], [200, 40], [229, 11], [3, 237], [120, 5, 115])
+    }
+    out["inside" + str(on)] = sorted(set(inside))
+print(json.dumps({"out": out, "counts": counts, "threaded": blas.threaded(),
+                  "usable": prompt_matmul.prompt_threads(), "after": blas.mkl_threads()}))
+"""
+
+
+def test_every_core_prefill_gives_the_one_thread_numbers(tmp_path):
+    """Prompt chunks on every core (threaded MKL, flashserve's dequantize) give the logits
+    of one thread with MLX's dequantize bit for bit, whatever the chunking (cold, after a
+    cached prefix of 3 to 229 tokens); MKL gets every usable core inside a chunk of >= 16
+    rows and one after it."""
+    path = make_model_dir(tmp_path / "q4", "llama", quantize_bits=4)
+    result = subprocess.run(
+        [sys.executable, "-c", PARALLEL_PROBE, str(path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    got = json.loads(result.stdout.strip().splitlines()[-1])
+    before, after = got["out"]["False"], got["out"]["True"]
+    assert before == after  # each chunking: the same floats on every core as on one
+    cold = np.array(after["[240]"])
+    for logits in after.values():  # cold or after a cached prefix: the same next token
+        assert np.argmax(logits) == np.argmax(cold)
+        np.testing.assert_allclose(logits, cold, rtol=1e-4, atol=1e-4)
+    if sys.platform == "linux" and platform.machine() == "x86_64" and got["usable"] > 1:
+        assert got["threaded"]  # the mkl wheel brings Intel's OpenMP runtime
+        # Set to every core for each >= 16-row chunk's evaluation, then back to one:
+        # MKL reports the count it was given.
+        counts = [tuple(c) for c in got["counts"]]  # (count set, count MKL had before)
+        assert {n for n, _ in counts} == {got["usable"], 1}
+        assert (got["usable"], 1) in counts and (1, got["usable"]) in counts
+        assert got["after"] == 1
+        assert got["out"]["insideFalse"] == [1]  # one thread before issue 42's change

@@ -16,6 +16,9 @@ Sections (all but cap by default):
   decode   the default model's decode tokens/s at 1, 4, 8 streams: flashserve's
            CPU quantized matmul vs MLX's kernel (and llama.cpp when installed);
            one stream after a 4k-token prompt
+  agent-turn  the default model: cold prefill of 1,066 tokens on all cores vs one
+           thread (cores busy; llama-server's beside it with --llama-server or
+           FLASHSERVE_LLAMA_SERVER), and 6k cached + 200 new tokens against its bound
 
 --plot DIR draws the numbers as PNGs in DIR (plots.py; needs matplotlib).
 
@@ -56,9 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--sections",
-        default="layers,experts,batch,prefill,prompt-cache,io,distributed,decode",
+        default="layers,experts,batch,prefill,prompt-cache,io,distributed,decode,agent-turn",
         help="comma list of: layers, experts, batch, prefill, prompt-cache, io, distributed, "
-        "decode, cap (Linux, root: an MoE larger than a cgroup's memory limit)",
+        "decode, agent-turn, cap (Linux, root: an MoE larger than a cgroup's memory limit)",
     )
     parser.add_argument(
         "--work-dir",
@@ -75,7 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="cap section: interleaved rounds")
     parser.add_argument("--model", type=Path, help="cap section: a qwen3moe GGUF to serve")
     parser.add_argument(
-        "--llama-server", type=Path, help="cap section: llama.cpp's server, run the same way"
+        "--llama-server",
+        type=Path,
+        help="cap and agent-turn sections: llama.cpp's server, run the same way",
     )
     args = parser.parse_args(argv)
     if args.plot is not None and (missing := plots.check()):
@@ -113,6 +118,10 @@ def main(argv: list[str] | None = None) -> int:
             )
         elif section == "speculative":  # not in the default list: minutes on a CPU
             results[section] = speculative.run(args.work_dir, quick=args.quick)
+        elif section == "agent-turn":
+            results[section] = prefill.run_agent_turn(
+                args.work_dir, llama_server=args.llama_server, quick=args.quick
+            )
         else:
             parser.error(f"unknown section {section!r}")
     if args.plot is not None:

@@ -13,6 +13,14 @@ step (one token per sequence, whatever the batch size) goes on to the few-row
 kernel (compute/qmm.py, or MLX's where that cannot run): faster for few rows,
 and a request's decode is numerically the same alone and in a batch. On a GPU
 MLX's own kernels are fast; nothing is changed there.
+
+A chunk runs on every core the process may use (compute/cores.py; issue 42:
+prefill used one of two): the BLAS on that many threads while the chunk's
+layer is evaluated (compute/blas.py: attention's matmuls too), and the
+weight dequantized by flashserve's op on the kernel's threads
+(csrc/prompt_dequant.cpp) instead of MLX's one-thread mx.dequantize. Both
+give the one-thread path's numbers bit for bit (MIN_THREADED_ROWS says
+when), so tokens do not change; `set_parallel(False)` is that path.
 """
 
 from __future__ import annotations
@@ -23,10 +31,45 @@ from contextlib import contextmanager
 import mlx.core as mx
 import mlx.nn as nn
 
+from flashserve.engine.compute import blas, cores, qmm
+
 # The dequantized float32 weight is made in slices of at most this many bytes,
 # so a large matrix (an 8B model's MLP: 235 MB in float32) never needs its
 # whole float copy at once.
 SLICE_BYTES = 64 * 1024 * 1024
+
+DEQUANT_BITS = (2, 4, 8)  # the widths flashserve's dequantize op unpacks
+
+# Tokens per sequence from which a chunk's BLAS calls run threaded. MKL's
+# threaded sgemm gives a row the same numbers as its one-thread sgemm from 12
+# rows on, where it takes another path below (measured on every matmul shape
+# of the default model and its attention, 1 to 600 rows): so a prompt gets
+# the same tokens on any number of cores, prefilled cold or after a cached
+# prefix. Chunks of fewer rows are cheap on one thread.
+MIN_THREADED_ROWS = 16
+
+
+class _Parallel:
+    on = True  # prompt chunks on every core; off: one thread, as before issue 42 (bench, tests)
+    threads = 0  # cores.usable(), asked once
+
+
+_parallel = _Parallel()
+
+
+def set_parallel(on: bool) -> None:
+    """Prompt chunks on every core (the BLAS threads, flashserve's dequantize), or on one
+    thread with MLX's dequantize: the bench compares both, the tests check their tokens agree."""
+    _parallel.on = on
+
+
+def prompt_threads() -> int:
+    """Threads a prompt chunk's BLAS calls take: every core this process may use."""
+    if not _parallel.on:
+        return 1
+    if not _parallel.threads:
+        _parallel.threads = cores.usable()
+    return _parallel.threads
 
 
 # Tokens per sequence up to which a call stays on the few-row kernel, as a
@@ -59,28 +102,59 @@ class PromptQuantizedLinear(nn.QuantizedLinear):
         in_features = scales.shape[-1] * self.group_size
         step = max(1, SLICE_BYTES // (in_features * x.dtype.size))
         outputs = []
+        threads = prompt_threads() if x.shape[-2] >= MIN_THREADED_ROWS else 1
         for start in range(0, rows, step):
             part = slice(start, start + step)
             # In x's dtype: dequantize computes in the scales' dtype, and a GGUF's
             # float16 scales (compute/half_scales.py) would round every weight.
-            dense = mx.dequantize(
+            dense = _dequantize(
                 weight[part],
                 scales[part].astype(x.dtype),
                 None if biases is None else biases[part].astype(x.dtype),
-                group_size=self.group_size,
-                bits=self.bits,
-                mode=self.mode,
-                dtype=x.dtype,
+                self.group_size,
+                self.bits,
+                self.mode,
+                x.dtype,
             )
             outputs.append(x @ dense.T)
             # Computed now, so this slice's float weight is freed before the next
             # one (or the next layer's) is made: MLX would otherwise schedule the
-            # dequantizes of several layers ahead of their matmuls.
-            mx.eval(outputs[-1])
+            # dequantizes of several layers ahead of their matmuls. This also
+            # computes x, the layer's work up to here (attention's matmuls
+            # included): all of it on every core.
+            with blas.prompt_threads(threads):
+                mx.eval(outputs[-1])
         y = outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=-1)
         if "bias" in self:
             y = y + self["bias"]
         return y
+
+
+def _dequantize(
+    weight: mx.array,
+    scales: mx.array,
+    biases: mx.array | None,
+    group_size: int,
+    bits: int,
+    mode: str,
+    dtype: mx.Dtype,
+) -> mx.array:
+    """mx.dequantize, on every core where flashserve's CPU path runs (csrc/prompt_dequant.cpp:
+    MLX's numbers exactly); MLX's single-threaded op for what that one does not take."""
+    ext = qmm.extension() if qmm.active() and _parallel.on else None
+    if (
+        ext is not None
+        and hasattr(ext, "dequantize")  # an extension built before this op has none
+        and mode == "affine"
+        and bits in DEQUANT_BITS
+        and biases is not None
+        and dtype == scales.dtype == biases.dtype == mx.float32
+        and weight.ndim == 2
+    ):
+        return ext.dequantize(weight, scales, biases, group_size, bits)
+    return mx.dequantize(
+        weight, scales, biases, group_size=group_size, bits=bits, mode=mode, dtype=dtype
+    )
 
 
 def use_blas_for_prompts(model: nn.Module) -> int:

@@ -45,6 +45,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
+from flashserve.engine.compute import cores
+
 log = logging.getLogger(__name__)
 
 QmmChoice = Literal["auto", "fast", "mlx"]
@@ -128,6 +130,11 @@ def select(choice: str = "auto") -> str:
         _state.active, _state.chosen = False, "mlx"
         return "mlx"
     if _state.chosen != "fast":
+        # The pool starts one thread per core of the affinity mask; a cgroup
+        # CPU quota below that would make the extra threads wait on each other.
+        usable = cores.usable()
+        if _state.module.threads() > usable:
+            _state.module.set_threads(usable)
         log.info(
             "quantized matmuls with few rows use flashserve's CPU kernel (%d threads)",
             _state.module.threads(),

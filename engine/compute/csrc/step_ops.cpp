@@ -391,6 +391,7 @@ void add_step_ops(nb::module_& m) {
   add_sdpa(m);
   add_cache_write(m);
   add_prompt_softmax(m);
+  add_prompt_dequant(m);
   m.def("rms_norm", &rms_norm, "x"_a, "weight"_a, "eps"_a,
         "x * rsqrt(mean(x^2, -1) + eps) * weight as one op (float32); weight: [] or [w]");
   m.def("rope", &rope, "x"_a, "offset"_a, "freqs"_a, "dims"_a, "traditional"_a, "base"_a,

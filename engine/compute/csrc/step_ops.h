@@ -20,6 +20,9 @@ void add_cache_write(nanobind::module_& m);
 // Adds masked_softmax (prompt_softmax.cpp).
 void add_prompt_softmax(nanobind::module_& m);
 
+// Adds dequantize (prompt_dequant.cpp).
+void add_prompt_dequant(nanobind::module_& m);
+
 namespace flashserve_step {
 
 // A step op whose result feeds a quantized matmul (RMSNorm before q/k/v and
