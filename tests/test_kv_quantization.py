@@ -182,20 +182,34 @@ def test_streamed_layers_prefill_layer_major_into_the_same_quantized_cache(
         stop_server(streamed)
 
 
-def _stored_bytes(model: Path, workdir: Path, *flags: str) -> int:
+def _stored_and_live_bytes(model: Path, workdir: Path, *flags: str) -> tuple[int, int]:
+    """(the prompt cache's bytes after BASE, /memory's KV bytes while a long answer streams)."""
     server = start_server(model, workdir, *flags, "--prompt-cache-bytes", "64MB")
     try:
         _tokens(server, BASE)
-        return server.http().get("/cache/stats").json()["prompt_cache"]["memory"]["bytes"]
+        stored = server.http().get("/cache/stats").json()["prompt_cache"]["memory"]["bytes"]
+        body = {"prompt": GROWN, "max_tokens": 1000, "logit_bias": NO_EOS, "stream": True}
+        with server.http().stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            lines = response.iter_lines()
+            while not next(lines).startswith("data:"):
+                pass
+            live = server.http().get("/memory").json()["kv_cache_bytes"]
+        return stored, live
     finally:
         stop_server(server)
 
 
-def test_stored_states_take_the_precisions_bytes(wide_llama: Path, tmp_path: Path):
-    full = _stored_bytes(wide_llama, _dir(tmp_path, "f"))
+def test_stored_and_live_kv_take_the_precisions_bytes(wide_llama: Path, tmp_path: Path):
+    """The prompt cache's entries and /memory's live KV shrink by the precision's ratio
+    (buffers grow in the same steps of 256 positions at every precision)."""
+    full = _stored_and_live_bytes(wide_llama, _dir(tmp_path, "f"))
+    assert min(full) > 0
     for bits in (8, 4):
-        quantized = _stored_bytes(wide_llama, _dir(tmp_path, str(bits)), "--kv-bits", str(bits))
-        assert quantized == pytest.approx(full * RATIO[bits], rel=0.02), (bits, quantized, full)
+        flags = ("--kv-bits", str(bits))
+        quantized = _stored_and_live_bytes(wide_llama, _dir(tmp_path, str(bits)), *flags)
+        for got, base in zip(quantized, full, strict=True):
+            assert got == pytest.approx(base * RATIO[bits], rel=0.02), (bits, quantized, full)
 
 
 @pytest.mark.parametrize(
