@@ -45,10 +45,11 @@ class EngineConfig:
     # Resident models on the CPU: each decode step as one compiled MLX function
     # (generation/decode_step.py); the same tokens either way.
     compile_decode: bool = True
-    # Speculative decoding (engine/speculative/): off | prompt-lookup; drafted
+    # Speculative decoding (engine/speculative/): the draft source; drafted
     # tokens per pass at most (each request's length adapts below it).
-    speculative: str = "off"
+    speculative: str = "off"  # off | prompt-lookup | draft | both
     speculative_max_draft: int = 8
+    speculative_draft_model: str | None = None  # draft | both: a small model, same vocabulary
     # Attention KV kept quantized (engine/kv/): None = float (as computed), 8 or
     # 4 bits in groups of kv_group_size along each head; the prompt cache
     # stores it at that precision.

@@ -142,13 +142,17 @@ class Settings(BaseSettings):
         description="CPU, every weight resident: run each decode step as one compiled "
         "MLX function (less Python per step; the same tokens)",
     )
-    speculative: Literal["off", "prompt-lookup"] = Field(
+    speculative: Literal["off", "prompt-lookup", "draft", "both"] = Field(
         "off",
-        description="speculative decoding: prompt-lookup drafts (n-grams of the prompt "
-        "and output) verified several per pass; greedy output unchanged",
+        description="speculative decoding: drafts from prompt lookup (n-grams of the prompt "
+        "and output), a draft model, or both, verified several per pass; greedy output "
+        "unchanged",
     )
     speculative_max_draft: int = Field(
         8, ge=1, le=64, description="drafted tokens per pass at most (adapts below it)"
+    )
+    speculative_draft_model: str | None = Field(
+        None, description="draft | both: a small model with the same vocabulary (dir or GGUF)"
     )
 
     # Several machines (engine/distributed/): one model split by layer ranges
@@ -256,6 +260,13 @@ class Settings(BaseSettings):
         from flashserve.server.chat.reasoning import check_setting
 
         check_setting(value)
+        return value
+
+    @field_validator("speculative_draft_model")
+    @classmethod
+    def _draft_model(cls, value: str | None, info: Any) -> str | None:
+        if value is None and info.data.get("speculative") in ("draft", "both"):
+            raise ValueError("speculative = draft or both needs a draft model (a dir or GGUF)")
         return value
 
     @field_validator("allowed_origins", "allowed_hosts", mode="before")

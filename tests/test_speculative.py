@@ -341,3 +341,22 @@ def test_sampled_output_distribution_is_unchanged(tiny_llama_dir: Path) -> None:
     for j in positions:
         a, b = [o[j] for o in plain], [o[j] for o in spec]
         assert not chi_square_rejects(a, b, 0.001 / len(positions)), j
+
+
+def test_draft_model_identity(tiny_llama_dir: Path, tmp_path_factory) -> None:
+    """A draft model (here the model itself: same vocabulary, every draft right) drafts
+    where prompt lookup finds nothing; greedy output unchanged, drafts accepted."""
+    args = ("--speculative", "draft", "--speculative-draft-model", str(tiny_llama_dir))
+    server = start_server(tiny_llama_dir, tmp_path_factory.mktemp("spec-draft"), *args)
+    try:
+        check_identity(server, batched=False)
+        check_identity(server, batched=True)
+        counters = spec_counters(server)
+        assert counters["acceptance_rate"] > 0.9  # the same model: its drafts are right
+    finally:
+        stop_server(server)
+
+
+def test_draft_mode_needs_a_draft_model(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError, match="speculative_draft_model"):
+        start_server(tiny_llama_dir, tmp_path, "--speculative", "draft")

@@ -96,7 +96,9 @@ class Engine:
         self.mirror: Mirror | None = None  # the model is split across ranks: rank 0's side
         self.stats = WorkerStats()
         self.speculation = Speculation(
-            SpeculativeConfig(config.speculative, config.speculative_max_draft),
+            SpeculativeConfig(
+                config.speculative, config.speculative_max_draft, config.speculative_draft_model
+            ),
             self.stats.speculative,
         )
         self._queue: queue.Queue[RequestHandle | None] = queue.Queue()
@@ -210,7 +212,7 @@ class Engine:
             prefill_step_size=self.config.prefill_step_size,
         )
         if self.mirror is None:  # the ranks of a split model step alike: plain steps only
-            self.speculation.install(batch)
+            self.speculation.install(batch, loaded.tokenizer)
         return batch if self.mirror is None else self.mirror.wrap(batch)  # type: ignore[return-value]
 
     def _loop(self) -> None:

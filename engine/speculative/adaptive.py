@@ -18,6 +18,7 @@ not pay.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -79,6 +80,7 @@ class Sequence:
     pause: int = 0  # passes left without speculation
     next_pause: int = FIRST_PAUSE
     rng: np.random.Generator | None = None
+    draft_state: Any = None  # the draft model's cache for this sequence (draft.py)
 
     def __post_init__(self) -> None:
         if self.sampling is not None:

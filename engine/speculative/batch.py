@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -33,17 +34,19 @@ from mlx_lm.generate import BatchGenerator, GenerationBatch
 from flashserve.engine.compute import prompt_matmul
 from flashserve.engine.speculative.accept import Sampling, accept_greedy, accept_sampled
 from flashserve.engine.speculative.adaptive import CostModel, Sequence, SpeculativeStats
+from flashserve.engine.speculative.draft import DraftModel
 from flashserve.engine.speculative.rollback import can_roll_back, roll_back
 
 log = logging.getLogger(__name__)
 
-MODES = ("off", "prompt-lookup")
+MODES = ("off", "prompt-lookup", "draft", "both")
 
 
 @dataclass
 class SpeculativeConfig:
-    mode: str = "off"  # off | prompt-lookup
+    mode: str = "off"  # off | prompt-lookup | draft | both (lookup first, else the model)
     max_draft: int = 8  # tokens drafted per pass at most
+    draft_model: str | None = None  # path of the draft model (draft, both)
 
 
 class Speculation:
@@ -52,8 +55,11 @@ class Speculation:
     def __init__(self, config: SpeculativeConfig, stats: SpeculativeStats) -> None:
         if config.mode not in MODES:
             raise ValueError(f"speculative must be one of {', '.join(MODES)}, not {config.mode!r}")
+        if config.mode in ("draft", "both") and not config.draft_model:
+            raise ValueError(f"speculative = {config.mode!r} needs speculative_draft_model")
         self.config = config
         self.stats = stats
+        self.drafter: DraftModel | None = None
         self.cost = CostModel(config.max_draft)
         self.sequences: dict[int, Sequence] = {}
 
@@ -61,10 +67,19 @@ class Speculation:
     def enabled(self) -> bool:
         return self.config.mode != "off" and self.config.max_draft > 0
 
-    def install(self, batch: BatchGenerator) -> None:
-        """Make `batch` decode with speculative steps (its generation batch is empty)."""
+    def install(self, batch: BatchGenerator, tokenizer: Any = None) -> None:
+        """Make `batch` decode with speculative steps (its generation batch is empty).
+        The draft model, if any, is loaded the first time (`tokenizer`: the model's,
+        which its vocabulary must match); one that cannot be loaded leaves prompt
+        lookup alone, with the reason logged."""
         if not self.enabled:
             return
+        if self.config.draft_model and self.drafter is None and self.config.mode != "prompt-lookup":
+            try:
+                self.drafter = DraftModel.load(self.config.draft_model, tokenizer)
+            except Exception as exc:
+                log.error("no draft model, prompt lookup only: %s", exc)
+                self.config.mode = "prompt-lookup"
         generation = batch._generation_batch
         assert not generation.uids, "install before anything is inserted"
         speculative = SpeculativeBatch.empty(generation.model, generation.fallback_sampler)
@@ -74,7 +89,18 @@ class Speculation:
     def register(self, uid: int, wanted: bool, sampling: Sampling | None) -> None:
         """A sequence entered the batch; `wanted`: its request allows speculation."""
         if self.enabled and wanted:
-            self.sequences[uid] = Sequence(self.config.max_draft, sampling)
+            sequence = Sequence(self.config.max_draft, sampling)
+            if self.drafter is not None:
+                sequence.draft_state = self.drafter.new_state()
+            self.sequences[uid] = sequence
+
+    def draft(self, sequence: Sequence, context: list[int], k: int) -> list[int]:
+        """Sequence's draft of at most k tokens: prompt lookup, else the draft model."""
+        lookup = self.config.mode in ("prompt-lookup", "both")
+        drafted = sequence.index.draft(context, k) if lookup else []
+        if not drafted and self.drafter is not None and sequence.draft_state is not None:
+            drafted = self.drafter.draft(sequence.draft_state, context, k)
+        return drafted
 
 
 class SpeculativeBatch(GenerationBatch):
@@ -115,7 +141,7 @@ class SpeculativeBatch(GenerationBatch):
         mx.eval(self._next_tokens)
         pending = self._next_tokens.tolist()
         drafts = [
-            seq.index.draft([*self.tokens[i], pending[i]], k) if seq and k else []
+            self.speculation.draft(seq, [*self.tokens[i], pending[i]], k) if seq and k else []
             for i, (seq, k) in enumerate(zip(sequences, lengths, strict=True))
         ]
         return drafts if any(drafts) else None
