@@ -6,6 +6,8 @@ drafted tokens in one pass turns one read into up to k+1 tokens.
 
 * lookup.py: prompt-lookup drafts (an n-gram of the context's end matched
   earlier in the prompt or the output; no extra model).
+* draft.py: draft-model drafts (a small resident model, same vocabulary,
+  greedy; each sequence keeps its own cache of it).
 * accept.py: which drafted tokens a pass accepts: exact argmax match when
   greedy, speculative sampling (accept with p(draft), else resample from the
   residual) when sampled, so the output distribution is unchanged.
