@@ -264,3 +264,24 @@ def test_quick_agent_turn_section_prints_its_rows_and_bounds(tmp_path: Path) -> 
     bound = 1.3 * (_number(row["cold 40 s"]) + _number(row["attention 40 x 640 s"]))
     assert abs(_number(row["bound s"]) - bound) < 0.02
     assert re.search(r"agent turn TTFT [0-9.]+ s, bound 1.3 x \(", targets)
+
+
+def test_quick_speculative_section_prints_its_rows(tmp_path: Path) -> None:
+    """The speculative section: the four rows of issue 44, tokens/s off and on, bytes
+    read per token, acceptance, and greedy identity (always "yes")."""
+    cmd = [sys.executable, "-m", "flashserve.server.cli", "bench", "--", "--quick"]
+    cmd += ["--sections", "speculative", "--work-dir", str(tmp_path)]
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=_clean_env(), capture_output=True, text=True, timeout=2 * TIMEOUT_S
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    tables = _tables(proc.stdout)
+    spec = [rows for t, rows in tables.items() if t.startswith("Speculative decoding")]
+    assert len(spec) == 1, proc.stdout
+    assert [r["row"] for r in spec[0]] == ["edit-0%", "edit-100%", "rejected-0%", "moe-25%"]
+    for row in spec[0]:
+        assert _number(row["off tok/s"]) > 0 and _number(row["on tok/s"]) > 0, row
+        assert row["same tokens"] == "yes", row
+    streamed = spec[0][0]
+    # At 0% residency every token reads the layers: speculation reads less per token.
+    assert _number(streamed["MB/token on"]) < _number(streamed["MB/token off"]), streamed

@@ -134,6 +134,8 @@ def test_dashboard_shows_live_data_in_headless_chromium(server: Server, browser:
     assert dom(browser, "#ttft") > 0
     assert dom(browser, "#decode-tps") > 0
     assert dom(browser, "#batch-size") >= 1
+    # Speculative decoding is off on this server: its tiles say so.
+    assert browser.evaluate("document.getElementById('spec-accepted').textContent") == "off"
     assert dom(browser, "#chart-memory", "max") > 0
     assert dom(browser, "#chart-experts", "maxAny") > 0  # hit rate / served from memory
     assert 0 < dom(browser, "#served-rate") <= 1

@@ -1,7 +1,8 @@
 """The `speculative` section of `flashserve bench`: several tokens per pass over the weights.
 
-Rows (issue 44), each decoded twice by one engine, greedy, speculation off
-(the request's `speculative: false`) and on (prompt lookup):
+Rows (issue 44), each decoded by one engine, greedy, with speculation off
+(the request's `speculative: false`) and on (prompt lookup) in turn, twice;
+the better run of each is reported:
 
 * an agent-style edit on the default model (SmolLM2-135M GGUF, prepared):
   reproduce a ~300-token code block with one change, at 0% residency (every
@@ -82,6 +83,7 @@ EDIT = (
 PROSE = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 EDIT_TOKENS, QUICK_TOKENS = 320, 64
 MOE_CACHE_FRACTION = 0.25
+ROUNDS = 2  # off, on, off, on: the best of each
 TARGETS = {"edit-0%": 2.0, "edit-100%": 1.3, "rejected-0%": 0.95, "moe-25%": 1.0}
 
 
@@ -162,7 +164,8 @@ def generate(engine: Any, prompt: list[int], tokens: int, speculative: bool) -> 
 
 
 def measure(name: str, config: EngineConfig, text: str, tokens: int, chat: bool) -> Row:
-    """Off, then on, after a warm-up request (kernels, expert cache, allocator)."""
+    """Off and on, in turn, ROUNDS times, after a warm-up request (kernels, expert
+    cache, allocator)."""
     engine = start_engine(config)
     try:
         assert engine.loaded is not None
@@ -173,10 +176,16 @@ def measure(name: str, config: EngineConfig, text: str, tokens: int, chat: bool)
         else:
             prompt = tokenizer.encode(text)
         generate(engine, prompt, min(tokens, 16), False)
-        off = generate(engine, prompt, tokens, False)
-        on = generate(engine, prompt, tokens, True)
+        offs, ons = [], []
+        for _ in range(ROUNDS):
+            offs.append(generate(engine, prompt, tokens, False))
+            ons.append(generate(engine, prompt, tokens, True))
     finally:
         engine.shutdown()
+    # The best round of each: on a shared machine noise only ever slows a run down.
+    off = max(offs, key=lambda r: r.tokens_per_s)
+    on = max(ons, key=lambda r: r.tokens_per_s)
+    identical = all(r.tokens == offs[0].tokens for r in offs + ons)
     n_off, n_on = max(len(off.tokens), 1), max(len(on.tokens), 1)
     return Row(
         name=name,
@@ -190,7 +199,7 @@ def measure(name: str, config: EngineConfig, text: str, tokens: int, chat: bool)
         acceptance=on.accepted / on.drafted if on.drafted else 0.0,
         tokens_per_pass=on.emitted / on.sequence_passes if on.sequence_passes else 1.0,
         tokens=len(on.tokens),
-        identical=on.tokens == off.tokens,
+        identical=identical,
     )
 
 
@@ -230,7 +239,8 @@ def run(work_dir: Path, *, quick: bool = False) -> list[dict]:
     ]
     print_table(
         f"Speculative decoding (prompt lookup, at most 8 drafted), greedy, up to {tokens} "
-        "tokens; off / on from one engine; bytes = weights read from disk per token",
+        "tokens; off / on from one engine, best of 2 rounds; bytes = weights read from disk "
+        "per token",
         [
             "row",
             "off tok/s",

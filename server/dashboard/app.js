@@ -216,6 +216,13 @@
     setValue("active", stats.active, String(stats.active));
     setValue("queued", health.queued, String(health.queued));
     setValue("batch-size", stats.batch_size, String(stats.batch_size));
+    // Speculative decoding since start (engine/speculative/): "off" until a pass ran.
+    const spec = stats.speculative || {};
+    const specRan = spec.passes > 0;
+    setValue("spec-accepted", specRan ? spec.acceptance_rate : null,
+      specRan ? num(100 * spec.acceptance_rate, 0) + " %" : "off");
+    setValue("spec-tokens-per-pass", specRan ? spec.tokens_per_pass : null,
+      specRan ? num(spec.tokens_per_pass, 2) : "-");
 
     shedTimes = memory.shedding_events.map((e) => e.time);
     showMemory(memory, cache);
