@@ -360,3 +360,30 @@ def test_draft_model_identity(tiny_llama_dir: Path, tmp_path_factory) -> None:
 def test_draft_mode_needs_a_draft_model(tiny_llama_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="speculative_draft_model"):
         start_server(tiny_llama_dir, tmp_path, "--speculative", "draft")
+
+
+def test_prompt_cache_turns_identity(tiny_llama_dir: Path, tmp_path_factory) -> None:
+    """With the prompt cache on, a second turn that resends the first (prompt + answer)
+    starts from the state a speculative answer stored: cached tokens reported, and
+    the same output as a turn without speculation."""
+    args = ("--prompt-cache-bytes", "100000000", *SPEC)
+    server = start_server(tiny_llama_dir, tmp_path_factory.mktemp("spec-pc"), *args)
+    try:
+
+        def turn(prompt: str, speculative: bool) -> dict:
+            body = {"prompt": prompt, "max_tokens": 40, "temperature": 0}
+            response = server.http().post(
+                "/v1/completions", json={**body, "speculative": speculative}
+            )
+            assert response.status_code == 200, response.text
+            return response.json()
+
+        first = turn(CODE * 4, True)
+        follow = CODE * 4 + first["choices"][0]["text"] + "\n# again\n" + CODE
+        on = turn(follow, True)
+        # More than the first prompt came from the cache: the answer's state too.
+        cached = on["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached > first["usage"]["prompt_tokens"]
+        assert on["choices"][0]["text"] == turn(follow, False)["choices"][0]["text"]
+    finally:
+        stop_server(server)
