@@ -40,6 +40,7 @@ from flashserve.engine.speculative.rollback import can_roll_back, roll_back
 log = logging.getLogger(__name__)
 
 MODES = ("off", "prompt-lookup", "draft", "both")
+PRUNE_AT = 512  # sequences tracked before those no longer in the batch are dropped
 
 
 @dataclass
@@ -60,6 +61,7 @@ class Speculation:
         self.config = config
         self.stats = stats
         self.drafter: DraftModel | None = None
+        self._batch: BatchGenerator | None = None  # the batch installed on, for pruning
         self.cost = CostModel(config.max_draft)
         self.sequences: dict[int, Sequence] = {}
 
@@ -85,9 +87,15 @@ class Speculation:
         speculative = SpeculativeBatch.empty(generation.model, generation.fallback_sampler)
         speculative.speculation = self
         batch._generation_batch = speculative
+        self._batch = batch
 
     def register(self, uid: int, wanted: bool, sampling: Sampling | None) -> None:
         """A sequence entered the batch; `wanted`: its request allows speculation."""
+        if len(self.sequences) > PRUNE_AT and self._batch is not None:
+            # Sequences removed before they decoded (cancelled while their prompt
+            # was prefilled) never pass through SpeculativeBatch.filter.
+            live = self._batch._find_uids(list(self.sequences))
+            self.sequences = {u: s for u, s in self.sequences.items() if u in live}
         if self.enabled and wanted:
             sequence = Sequence(self.config.max_draft, sampling)
             if self.drafter is not None:
