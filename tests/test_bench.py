@@ -253,9 +253,11 @@ def test_quick_agent_turn_section_prints_its_rows_and_bounds(tmp_path: Path) -> 
     }
     for row in cold[0]:
         assert _number(row["tok/s"]) > 0 and _number(row["cores busy"]) > 0, row
+        assert _number(row["CPU spread"]) >= 1.0, row
     targets = proc.stdout.split("Agent-turn targets")[1]
     assert re.search(r"^  cold prefill, all cores / one thread: [0-9.]+x$", targets, re.M)
     assert re.search(r"^  cores busy: [0-9.]+ \(target >= 1.8\) (met|MISSED)$", targets, re.M)
+    assert re.search(r"^  CPU spread \(CPU time / [^)]*\): [0-9.]+$", targets, re.M)
     assert re.search(r"^  cold prefill / llama-server: not measured: no llama", targets, re.M)
     agent = [rows for t, rows in tables.items() if t.startswith("Agent turn:")]
     assert len(agent) == 1 and len(agent[0]) == 1, proc.stdout

@@ -166,6 +166,34 @@ TARGET_LLAMA = 1.0  # cold prefill tok/s / llama.cpp's
 TARGET_CORES = 1.8  # cores busy during a cold prefill (2-core machine)
 LLAMA_ENV = "FLASHSERVE_LLAMA_SERVER"
 
+Measured = tuple[float, float, float]  # prompt tokens/s, cores busy, CPU spread
+MEASURED = ("tokens_per_s", "cores_busy", "cpu_spread")
+
+
+def _thread_seconds(pid: int | str = "self") -> dict[str, float]:
+    """CPU seconds of each thread of a process (Linux /proc; empty elsewhere)."""
+    out: dict[str, float] = {}
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended
+            continue
+        out[task.name] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def _spread(before: dict[str, float], after: dict[str, float]) -> float:
+    """CPU time over the busiest thread's: how many cores the work was split over.
+
+    Unlike cores busy, it does not drop when other jobs take the cores: it is
+    the cores busy the same work would show on an idle machine, when the
+    busiest thread is the critical path.
+    """
+    used = [after[t] - before.get(t, 0.0) for t in after]
+    busiest = max(used, default=0.0)
+    return sum(used) / busiest if busiest > 0 else 1.0
+
 
 def _cpu_seconds() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
@@ -185,11 +213,12 @@ def _prompt(engine: Engine, length: int, salt: int = 0) -> list[int]:
     return ids[:length]
 
 
-def _cold(engine: Engine, prompt: list[int]) -> tuple[float, float]:
-    """(prompt tokens/s, cores busy) of one uncached prefill (time to first token)."""
-    cpu = _cpu_seconds()
+def _cold(engine: Engine, prompt: list[int]) -> Measured:
+    """(prompt tokens/s, cores busy, CPU spread) of one uncached prefill (time to first token)."""
+    cpu, threads = _cpu_seconds(), _thread_seconds()
     turn = first_token(engine, prompt, use_cache=False)
-    return len(prompt) / turn.ttft_s, (_cpu_seconds() - cpu) / turn.ttft_s
+    busy = (_cpu_seconds() - cpu) / turn.ttft_s
+    return len(prompt) / turn.ttft_s, busy, _spread(threads, _thread_seconds())
 
 
 def _attention_seconds(engine: Engine, rows: int, keys: int, repeats: int = 3) -> float:
@@ -247,8 +276,9 @@ class LlamaServer:
         fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
-    def cold(self, prompt: list[int]) -> tuple[float, float]:
-        """(prompt tokens/s from its own timings, cores busy over the request)."""
+    def cold(self, prompt: list[int]) -> Measured:
+        """(prompt tokens/s from its own timings, cores busy over the request, CPU spread)."""
+        threads = _thread_seconds(self.proc.pid)
         cpu, start = self._cpu_seconds(), time.perf_counter()
         reply = self.client.post(
             "/completion", json={"prompt": prompt, "n_predict": 1, "cache_prompt": False}
@@ -256,7 +286,12 @@ class LlamaServer:
         wall = time.perf_counter() - start
         reply.raise_for_status()
         timings = reply.json()["timings"]
-        return float(timings["prompt_per_second"]), (self._cpu_seconds() - cpu) / wall
+        busy = (self._cpu_seconds() - cpu) / wall
+        return (
+            float(timings["prompt_per_second"]),
+            busy,
+            _spread(threads, _thread_seconds(self.proc.pid)),
+        )
 
     def close(self) -> None:
         self.client.close()
@@ -268,19 +303,27 @@ class LlamaServer:
             self.proc.wait()
 
 
-def _rounds(measures: dict[str, Callable[[], tuple[float, float]]], rounds: int) -> dict:
-    """Each measure once per round, interleaved; the best tok/s of each and its cores busy."""
-    got: dict[str, tuple[float, float]] = {}
+def _rounds(measures: dict[str, Callable[[], Measured]], rounds: int) -> dict[str, Measured]:
+    """Each measure once per round, interleaved; the best tok/s of each, its cores busy
+    and CPU spread."""
+    got: dict[str, Measured] = {}
     for n in range(rounds):
         for name, measure in measures.items():
-            rate, busy = measure()
-            log.info("round %d, %s: %.0f tok/s, %.2f cores busy", n + 1, name, rate, busy)
+            rate, busy, spread = measure()
+            log.info(
+                "round %d, %s: %.0f tok/s, %.2f cores busy, spread %.2f",
+                n + 1,
+                name,
+                rate,
+                busy,
+                spread,
+            )
             if name not in got or rate > got[name][0]:
-                got[name] = (rate, busy)
+                got[name] = (rate, busy, spread)
     return got
 
 
-def _with_parallel(on: bool, fn: Callable[[], tuple[float, float]]) -> tuple[float, float]:
+def _with_parallel(on: bool, fn: Callable[[], Measured]) -> Measured:
     prompt_matmul.set_parallel(on)
     try:
         return fn()
@@ -306,7 +349,9 @@ def run_agent_turn(
             "all cores": lambda: _with_parallel(True, lambda: _cold(engine, cold)),
             "one thread (before)": lambda: _with_parallel(False, lambda: _cold(engine, cold)),
         }
-        llama_note = f"not measured: no llama-server binary (--llama-server PATH or {LLAMA_ENV})"
+        llama_note: str | None = (
+            f"not measured: no llama-server binary (--llama-server PATH or {LLAMA_ENV})"
+        )
         if binary is not None and binary.is_file():
             llama = LlamaServer(binary, gguf, sizes["cold"] + 64, threads)
             llama.cold(cold[:16])  # warm up
@@ -314,13 +359,17 @@ def run_agent_turn(
         elif binary is not None:
             llama_note = f"not measured: {binary} is not a file"
         got = _rounds(measures, rounds)
+        if llama is not None:  # before the agent turn: nothing else computes during it
+            llama.close()
+            llama_note = None
+            llama = None
         agent = _agent_turn(engine, sizes["cached"], sizes["new"], rounds)
     finally:
         engine.shutdown()
         if llama is not None:
             llama.close()
     streamed = _streamed(work_dir, cold, rounds)
-    return _report(sizes, threads, got, streamed, agent, llama_note if llama is None else None)
+    return _report(sizes, threads, got, streamed, agent, llama_note)
 
 
 def _agent_turn(engine: Engine, cached: int, new: int, rounds: int) -> dict:
@@ -370,7 +419,7 @@ def _streamed(work_dir: Path, prompt: list[int], rounds: int) -> dict:
     try:
         first_token(engine, prompt[:16], use_cache=False)
 
-        def cold() -> tuple[float, float]:
+        def cold() -> Measured:
             drop_page_cache(prepared)
             return _cold(engine, prompt)
 
@@ -389,22 +438,26 @@ def _report(
     sizes: dict, threads: int, got: dict, streamed: dict, agent: dict, llama_note: str | None
 ) -> dict:
     rows = [
-        [where, name, sizes["cold"], rate, busy]
+        [where, name, sizes["cold"], rate, busy, spread]
         for where, table in (("100%", got), ("0% (streamed)", streamed))
-        for name, (rate, busy) in table.items()
+        for name, (rate, busy, spread) in table.items()
     ]
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print_table(
         f"Cold prefill of a {sizes['cold']}-token prompt, default model, best of rounds "
-        f"({threads} usable cores)",
-        ["residency", "prefill", "prompt tokens", "tok/s", "cores busy"],
+        f"({threads} usable cores; load average {load:.1f} at the end)",
+        ["residency", "prefill", "prompt tokens", "tok/s", "cores busy", "CPU spread"],
         rows,
     )
-    rate, busy = got["all cores"]
+    rate, busy, spread = got["all cores"]
     before = got["one thread (before)"][0]
     print("\nAgent-turn targets")
     print(f"  cold prefill, all cores / one thread: {rate / before:.2f}x")
     verdict = "met" if busy >= TARGET_CORES else "MISSED"
     print(f"  cores busy: {busy:.2f} (target >= {TARGET_CORES}) {verdict}")
+    print(
+        f"  CPU spread (CPU time / busiest thread's; cores busy on an idle machine): {spread:.2f}"
+    )
     if "llama-server" in got:
         ratio = rate / got["llama-server"][0]
         verdict = "met" if ratio >= TARGET_LLAMA else "MISSED"
@@ -439,8 +492,8 @@ def _report(
     )
     return {
         "threads": threads,
-        "cold": {k: {"tokens_per_s": r, "cores_busy": b} for k, (r, b) in got.items()},
-        "streamed": {k: {"tokens_per_s": r, "cores_busy": b} for k, (r, b) in streamed.items()},
+        "cold": {k: dict(zip(MEASURED, v, strict=True)) for k, v in got.items()},
+        "streamed": {k: dict(zip(MEASURED, v, strict=True)) for k, v in streamed.items()},
         "agent_turn": agent,
         "llama_server": llama_note or "measured",
     }
