@@ -22,7 +22,7 @@ against 1.2 ms for dequantizing the keys and values and running the float
 attention flashserve routes mx.fast.scaled_dot_product_attention to
 (compute/step_ops.py, compute/prompt_attention.py), and 0.11 ms for that
 attention over a float cache. So `install` points mlx-lm's quantized SDPA
-at `_attention`, which on the CPU dequantizes (exactly mx.dequantize; the
+at `_attention`, which on the CPU dequantizes (mx.dequantize's values; the
 float copy lives for one layer's attention) and takes that float path: the
 attention of exactly the values mlx-lm's would read (MLX's own float SDPA
 over them matched its quantized one bit for bit), with the float path's
@@ -193,9 +193,21 @@ def _attention(
     """mlx-lm's quantized SDPA, as dequantize + float attention on the CPU (why: above)."""
     if mx.default_device() != mx.cpu:
         return _mlx_attention(queries, q_keys, q_values, scale, mask, group_size, bits)
-    keys = mx.dequantize(*q_keys, group_size=group_size, bits=bits)
-    values = mx.dequantize(*q_values, group_size=group_size, bits=bits)
+    keys = _dequantize(q_keys, group_size, bits)
+    values = _dequantize(q_values, group_size, bits)
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+
+
+def _dequantize(parts: tuple[mx.array, mx.array, mx.array], group_size: int, bits: int) -> mx.array:
+    """mx.dequantize's values. At 8 bits as a byte view, a cast and one multiply-add:
+    MLX's CPU dequantize made a decode step over 600 positions 31-43 ms against
+    19-30 this way (one run, interleaved); its 4-bit unpacking is the faster one."""
+    packed, scales, biases = parts
+    if bits != 8:
+        return mx.dequantize(packed, scales, biases, group_size=group_size, bits=bits)
+    values = packed.view(mx.uint8)  # 4 values per uint32, the first in the lowest byte
+    values = values.reshape(*values.shape[:-1], -1, group_size).astype(scales.dtype)
+    return (values * scales[..., None] + biases[..., None]).reshape(*packed.shape[:-1], -1)
 
 
 def head_dims(model: nn.Module) -> set[int]:
