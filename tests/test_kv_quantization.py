@@ -273,3 +273,27 @@ def test_default_model_stays_close_to_the_float_cache(tmp_path: Path):
         diffs = [abs(a - b) for a, b in zip(logprobs, float_logprobs, strict=True)]
         assert same >= agreement, (bits, same)
         assert sum(diffs) / len(diffs) <= nats, (bits, sum(diffs) / len(diffs))
+
+
+def test_the_memory_plan_counts_kv_at_the_precision_in_use() -> None:
+    """Residency and `--expert-cache auto` reserve KV at kv_bits, not at float size."""
+    from mlx_lm.models import llama
+
+    from flashserve.engine.streaming.prepared import kv_bytes_per_token
+
+    config = {
+        "model_type": "llama",
+        "hidden_size": 256,
+        "num_hidden_layers": 2,
+        "intermediate_size": 512,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": HEAD,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": 128,
+    }
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    full = kv_bytes_per_token(model, config)
+    assert full == 2 * 2 * 2 * HEAD * 4  # layers x (K, V) x kv_heads x head_dim x float32
+    for bits in (8, 4):
+        assert kv_bytes_per_token(model, config, bits, 64) == pytest.approx(full * RATIO[bits])

@@ -126,8 +126,13 @@ def _load_non_layer(
     return sum(a.nbytes for a in weights.values())
 
 
-def kv_bytes_per_token(model: nn.Module, config: dict) -> int:
-    """KV cache bytes per token: attention layers x 2 x kv_heads x head_dim x 4 (float32).
+def kv_bytes_per_token(
+    model: nn.Module, config: dict, kv_bits: int | None = None, kv_group_size: int = 64
+) -> int:
+    """KV cache bytes per token: attention layers x 2 x kv_heads x head_dim x bytes per value.
+
+    A value is 4 bytes (float32), or with `kv_bits` its packed bits plus a
+    float32 scale and bias per `kv_group_size` values (engine/kv/).
 
     Attention layers are counted from the model's own cache layout, so hybrid
     models (linear-attention layers with constant-size state) count only
@@ -148,7 +153,10 @@ def kv_bytes_per_token(model: nn.Module, config: dict) -> int:
         attention = sum(1 for c in caches if "KVCache" in type(c).__name__)
     except Exception:  # a model whose cache needs more than its config
         attention = int(get("num_hidden_layers", 0))
-    return attention * 2 * kv_heads * int(head_dim) * 4
+    values = attention * 2 * kv_heads * int(head_dim)
+    if kv_bits is None:
+        return values * 4
+    return values * kv_bits // 8 + values // kv_group_size * 2 * 4
 
 
 def runtime_reserve(config: dict, engine: EngineConfig) -> int:
@@ -228,7 +236,7 @@ def load_prepared(path: Path, config: EngineConfig) -> LoadedModel:
         streamer.detach_experts()
     context_length = context_length_of(model_config)
     layer_bytes = [streamer.layer_bytes(i) for i in range(len(infos))]
-    kv_per_token = kv_bytes_per_token(model, model_config)
+    kv_per_token = kv_bytes_per_token(model, model_config, config.kv_bits, config.kv_group_size)
     if is_auto(config.expert_cache):
         # The memory plan writes its numbers into `config` (the worker's too).
         streamer.memory_plan = apply_memory_plan(
