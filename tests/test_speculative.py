@@ -186,20 +186,69 @@ def test_moe_expert_cache_identity(tiny_moe_dir: Path, tmp_path_factory) -> None
         stop_server(server)
 
 
-def test_hybrid_model_decodes_plain(cache_arch_dirs: dict[str, Path], tmp_path_factory) -> None:
-    """qwen3_next's recurrent layers cannot be trimmed: speculation stays off, output equal."""
+@pytest.fixture(scope="module")
+def hybrid_spec(cache_arch_dirs: dict[str, Path], tmp_path_factory) -> Iterator[Server]:
     server = start_server(
         cache_arch_dirs["qwen3_next"], tmp_path_factory.mktemp("spec-hybrid"), *SPEC
     )
-    try:
-        for prompt in PROMPTS:
-            assert complete(server, prompt, True)["text"] == complete(server, prompt, False)["text"]
-        assert spec_counters(server)["passes_total"] == 0
-    finally:
-        stop_server(server)
+    yield server
+    stop_server(server)
+
+
+def test_hybrid_model_speculates_alone(hybrid_spec: Server) -> None:
+    """qwen3_next (Gated DeltaNet + attention) alone: drafts verified and accepted,
+    recurrent state restored and recomputed after rejections, output equal. The
+    random tiny model is narrowed to two tokens (logit_bias), which it picks between
+    by its own logits: prompt lookup drafts runs of them that are partly right."""
+    before = spec_counters(hybrid_spec)
+    bias = {"logit_bias": {"100": 30, "101": 30}}
+    check_identity(hybrid_spec, batched=False, **bias)
+    after = spec_counters(hybrid_spec)
+    assert after["passes_total"] > before["passes_total"]
+    assert after["accepted_tokens_total"] > before["accepted_tokens_total"]
+    assert after["recompute_passes_total"] > before["recompute_passes_total"]
+
+
+def test_hybrid_model_batched_decodes_plain_and_equal(hybrid_spec: Server) -> None:
+    """Batched, a hybrid model's steps with several sequences stay plain (one pass
+    cannot roll recurrent rows back apart); the output is still equal."""
+    plain = [complete(hybrid_spec, p, False)["text"] for p in PROMPTS]
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        spec = list(pool.map(lambda p: complete(hybrid_spec, p, True)["text"], PROMPTS))
+    assert spec == plain
 
 
 # -- the pieces, on the engine side ---------------------------------------------------
+
+
+def run_batch(
+    model: Any, prompts: list[list[int]], speculative: bool, truth: list[int] | None = None
+) -> tuple:
+    """Greedy generation of `prompts` through BatchGenerator, speculating or not:
+    ([(tokens, final cache)] in prompt order, the speculative counters). `truth`:
+    a plain run's tokens; drafts are then those with every third one wrong."""
+    batch = BatchGenerator(model, completion_batch_size=4, prefill_batch_size=4)
+    stats = SpeculativeStats()
+    if speculative:
+        spec = Speculation(SpeculativeConfig("prompt-lookup", 5), stats)
+        spec.install(batch)
+        if truth is not None:
+
+            def draft(seq: Any, context: list[int], k: int) -> list[int]:
+                future = truth[len(context) : len(context) + k]
+                return [t + 1 if (len(context) + j) % 3 == 0 else t for j, t in enumerate(future)]
+
+            spec.draft = draft  # type: ignore[method-assign]
+    uids = batch.insert(prompts, max_tokens=[30] * len(prompts))
+    for uid in uids:
+        if speculative:
+            spec.register(uid, True, None)
+    finished = {}
+    while len(finished) < len(uids):
+        for r in batch.next_generated():
+            if r.finish_reason is not None:
+                finished[r.uid] = (r.all_tokens, r.prompt_cache)
+    return [finished[u] for u in uids], stats
 
 
 def test_rollback_leaves_the_cache_of_a_plain_run(tiny_llama_dir: Path) -> None:
@@ -208,32 +257,41 @@ def test_rollback_leaves_the_cache_of_a_plain_run(tiny_llama_dir: Path) -> None:
     model, _ = mlx_load(str(tiny_llama_dir))
     prompts = [[5 + i % 7 for i in range(40)], [9 + (i * i) % 23 for i in range(25)]]
 
-    def run(speculative: bool) -> list[tuple[list[int], list[Any]]]:
-        batch = BatchGenerator(model, completion_batch_size=4, prefill_batch_size=4)
-        stats = SpeculativeStats()
-        if speculative:
-            spec = Speculation(SpeculativeConfig("prompt-lookup", 5), stats)
-            spec.install(batch)
-        uids = batch.insert(prompts, max_tokens=[30, 30])
-        for uid in uids:
-            if speculative:
-                spec.register(uid, True, None)
-        finished = {}
-        while len(finished) < len(uids):
-            for r in batch.next_generated():
-                if r.finish_reason is not None:
-                    finished[r.uid] = (r.all_tokens, r.prompt_cache)
-        if speculative:
-            assert stats.drafted_tokens > stats.accepted_tokens > 0  # some rejected
-        return [finished[u] for u in uids]
-
-    for (tokens_a, cache_a), (tokens_b, cache_b) in zip(run(False), run(True), strict=True):
+    plain, _ = run_batch(model, prompts, False)
+    speculative, stats = run_batch(model, prompts, True)
+    assert stats.drafted_tokens > stats.accepted_tokens > 0  # some rejected
+    for (tokens_a, cache_a), (tokens_b, cache_b) in zip(plain, speculative, strict=True):
         assert tokens_b == tokens_a
         for a, b in zip(cache_a, cache_b, strict=True):
             assert a.offset == b.offset
             ka, va, kb, vb = a.keys, a.values, b.keys, b.values
             assert ka.shape == kb.shape
             assert mx.allclose(ka, kb, atol=1e-5).item() and mx.allclose(va, vb, atol=1e-5).item()
+
+
+def test_recurrent_state_after_rejection_is_a_plain_runs(cache_arch_dirs) -> None:
+    """qwen3_next, one sequence: after speculative steps with rejections (recurrent
+    state restored, kept tokens recomputed), every layer's state, recurrent and
+    attention, equals a plain run's, and so do the tokens."""
+    model, _ = mlx_load(str(cache_arch_dirs["qwen3_next"]))
+    prompt = [[5 + i % 7 for i in range(40)]]
+    [(tokens_a, cache_a)], _ = run_batch(model, prompt, False)
+    [(tokens_b, cache_b)], stats = run_batch(model, prompt, True, truth=tokens_a)
+    assert stats.passes > 0 and stats.drafted_tokens > stats.accepted_tokens > 0
+    assert stats.recompute_passes > 0
+    assert tokens_b == tokens_a
+    recurrent = 0
+    for a, b in zip(cache_a, cache_b, strict=True):
+        if hasattr(a, "keys"):
+            assert a.offset == b.offset
+            assert mx.allclose(a.keys, b.keys, atol=1e-4).item()
+            assert mx.allclose(a.values, b.values, atol=1e-4).item()
+        else:
+            recurrent += 1
+            for x, y in zip(a.cache, b.cache, strict=True):
+                assert x.shape == y.shape
+                assert mx.allclose(x, y, atol=1e-4).item()
+    assert recurrent > 0
 
 
 def test_speculative_sampling_keeps_the_distribution() -> None:

@@ -45,6 +45,7 @@ class SpeculativeStats:
     emitted_tokens: int = 0  # tokens out of verification passes, per sequence summed
     sequence_passes: int = 0  # (sequence, pass) pairs: emitted / this = tokens per pass
     paused: int = 0  # times a request stopped speculating because it did not pay
+    recompute_passes: int = 0  # hybrid models: passes re-running kept tokens after a rejection
     acceptance_rate: float = 0.0  # accepted / drafted, since start
     tokens_per_pass: float = 0.0  # emitted / sequence_passes: tokens a sequence gets per pass
 

@@ -11,12 +11,18 @@ route to once (experts/offload.py sends calls of more than one token per
 sequence expert-major). Each sequence then emits its next token and the
 draft tokens the pass accepted (accept.py), keeps the token after them as
 its next one, and its KV cache is taken back past the rest (rollback.py).
+A hybrid model's recurrent layers cannot be taken back: in a batch of one,
+their state is snapshotted before the pass and, when a draft token was
+rejected, restored, the attention layers trimmed to the same position and
+the kept tokens run again in a second, short pass (a recompute: an extra
+read of the weights, which the adaptive length counts in the step's cost).
 Between steps the state is what a plain step leaves, so plain and
 speculative steps mix freely.
 
 A step speculates only when no sequence has logits processors (penalties,
 grammars, logit_bias: they see one position at a time and a grammar's
-state cannot be taken back yet) and every layer's cache can be rolled back;
+state cannot be taken back yet) and every layer's cache can be rolled back
+(or, for a batch of one, snapshotted);
 otherwise, and when no sequence has a draft, it is mlx-lm's plain step.
 """
 
@@ -30,12 +36,20 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import BatchGenerator, GenerationBatch
+from mlx_lm.models.cache import BatchKVCache
 
 from flashserve.engine.compute import prompt_matmul
 from flashserve.engine.speculative.accept import Sampling, accept_greedy, accept_sampled
 from flashserve.engine.speculative.adaptive import CostModel, Sequence, SpeculativeStats
 from flashserve.engine.speculative.draft import DraftModel
-from flashserve.engine.speculative.rollback import can_roll_back, roll_back
+from flashserve.engine.speculative.rollback import (
+    Snapshot,
+    can_roll_back,
+    can_snapshot,
+    restore,
+    roll_back,
+    snapshot,
+)
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +150,7 @@ class SpeculativeBatch(GenerationBatch):
             getattr(p, "speculative_ok", False) for ps in self.logits_processors for p in ps
         ):
             return None
-        if not can_roll_back(self.prompt_cache):
+        if not (can_roll_back(self.prompt_cache) or can_snapshot(self.prompt_cache)):
             return None
         costs = self.speculation.cost.costs
         # The pending token is emitted by this step too: room counts after it.
@@ -163,6 +177,7 @@ class SpeculativeBatch(GenerationBatch):
             [p, *d, *([d[-1] if d else p] * (width - len(d)))]
             for p, d in zip(pending, drafts, strict=True)
         ]
+        saved = None if can_roll_back(self.prompt_cache) else snapshot(self.prompt_cache)
         with prompt_matmul.decode_rows(width + 1):  # the few-row kernels, as decode
             logits = self.model(mx.array(rows, dtype=mx.uint32), cache=self.prompt_cache)
         contexts: dict[int, int] = {}  # sequence -> its processors' context size before
@@ -190,7 +205,10 @@ class SpeculativeBatch(GenerationBatch):
         responses, keep, kept_tokens = self._respond(emitted, rows_used)
         for i, size in contexts.items():  # the processors' context: what the cache keeps
             self._token_context[i]._size = size + kept_tokens[i]
-        roll_back(self.prompt_cache, [width + 1 - k for k in kept_tokens])
+        if saved is None:
+            roll_back(self.prompt_cache, [width + 1 - k for k in kept_tokens])
+        elif kept_tokens[0] < width + 1:
+            self._recompute(saved, width + 1, emitted[0][: kept_tokens[0]])
         for i in range(len(self.uids)):
             self.tokens[i].extend(emitted[i][: kept_tokens[i]])
         for r in responses:
@@ -207,6 +225,16 @@ class SpeculativeBatch(GenerationBatch):
         if len(keep) < len(self.uids):
             self.filter(keep)
         return responses
+
+    def _recompute(self, saved: Snapshot, ran: int, kept: list[int]) -> None:
+        """Take a hybrid batch of one back to before the pass (`ran` tokens) and run
+        the `kept` tokens again, so every layer holds what a plain run's would."""
+        restore(saved)
+        roll_back([c for c in self.prompt_cache if type(c) is BatchKVCache], [ran])
+        with prompt_matmul.decode_rows(len(kept)):
+            logits = self.model(mx.array([kept], dtype=mx.uint32), cache=self.prompt_cache)
+        mx.eval(logits, [c.cache for c, _ in saved])
+        self.speculation.stats.recompute_passes += 1
 
     def _process(
         self,

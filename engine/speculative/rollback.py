@@ -9,10 +9,14 @@ where they become left padding that attention masks out. The rows then read
 as if the rejected tokens had never been run: same keys, same offsets (the
 tests check the cache equals a non-speculative run's).
 
-Only BatchKVCache layers are taken back: recurrent state (ArraysCache,
-MambaCache: qwen3_next, qwen3_5 layers) cannot be trimmed and a rotating
-window may have overwritten what it would restore, so a model with such
-layers is not speculated on (`can_roll_back`).
+Recurrent layers (ArraysCache: qwen3_next, qwen3_5's Gated DeltaNet conv and
+recurrent state) cannot be trimmed: their state is snapshotted before the
+pass (`snapshot`: a few small arrays per layer, which mlx never mutates in
+place) and, for a sequence that rejected a draft, restored; the attention
+layers are then trimmed back to the same position and the tokens kept are
+run again (batch.py). That is done for a batch of one only; a batch with
+recurrent layers decodes plain (`can_snapshot`). A rotating window may have
+overwritten what it would restore: a model with one is not speculated on.
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, dynamic_roll
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, dynamic_roll
+
+Snapshot = list[tuple[ArraysCache, tuple[Any, ...]]]
 
 
 def can_roll_back(cache: list[Any]) -> bool:
@@ -29,6 +35,35 @@ def can_roll_back(cache: list[Any]) -> bool:
     return bool(cache) and all(
         type(c) is BatchKVCache and c.keys is not None and c._right_padding is None for c in cache
     )
+
+
+def can_snapshot(cache: list[Any]) -> bool:
+    """Whether the cache is a batch of one whose layers are rollable BatchKVCaches or
+    recurrent ArraysCaches (with no prompt lengths pending), at least one of each kind."""
+    kv = [c for c in cache if type(c) is BatchKVCache]
+    recurrent = [c for c in cache if type(c) is ArraysCache]
+    return (
+        bool(kv)
+        and bool(recurrent)
+        and len(kv) + len(recurrent) == len(cache)
+        and can_roll_back(kv)
+        and all(c.lengths is None and c.batch_size == 1 for c in recurrent)
+        and all(c.keys.shape[0] == 1 for c in kv)
+    )
+
+
+def snapshot(cache: list[Any]) -> Snapshot:
+    """The recurrent layers' state as it is now (the arrays, not copies: mlx arrays
+    are immutable and a layer replaces its entries rather than writing into them)."""
+    return [
+        (c, (list(c.cache), c.left_padding, c.lengths)) for c in cache if type(c) is ArraysCache
+    ]
+
+
+def restore(saved: Snapshot) -> None:
+    """Put the recurrent layers back to a snapshot's state."""
+    for c, (arrays, left_padding, lengths) in saved:
+        c.cache, c.left_padding, c.lengths = list(arrays), left_padding, lengths
 
 
 def roll_back(cache: list[BatchKVCache], drop: list[int]) -> None:
