@@ -202,31 +202,32 @@ def test_hybrid_model_speculates_alone(hybrid_spec: Server) -> None:
     by its own logits: prompt lookup drafts runs of them that are partly right."""
     before = spec_counters(hybrid_spec)
     bias = {"logit_bias": {"100": 30, "101": 30}}
-    check_identity(hybrid_spec, batched=False, **bias)
+    check_identity(hybrid_spec, batched=False, logprobs=2, **bias)
     after = spec_counters(hybrid_spec)
     assert after["passes_total"] > before["passes_total"]
     assert after["accepted_tokens_total"] > before["accepted_tokens_total"]
     assert after["recompute_passes_total"] > before["recompute_passes_total"]
 
 
-def test_hybrid_model_batched_decodes_plain_and_equal(hybrid_spec: Server) -> None:
-    """Batched, a hybrid model's steps with several sequences stay plain (one pass
-    cannot roll recurrent rows back apart); the output is still equal."""
-    plain = [complete(hybrid_spec, p, False)["text"] for p in PROMPTS]
-    with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        spec = list(pool.map(lambda p: complete(hybrid_spec, p, True)["text"], PROMPTS))
-    assert spec == plain
+def test_hybrid_model_speculates_batched(hybrid_spec: Server) -> None:
+    """Batched, the hybrid model's rows accept different counts; the recompute pass
+    runs each row's kept tokens right-padded; output equal."""
+    before = spec_counters(hybrid_spec)
+    check_identity(hybrid_spec, batched=True, logit_bias={"100": 30, "101": 30})
+    after = spec_counters(hybrid_spec)
+    assert after["recompute_passes_total"] > before["recompute_passes_total"]
 
 
 # -- the pieces, on the engine side ---------------------------------------------------
 
 
 def run_batch(
-    model: Any, prompts: list[list[int]], speculative: bool, truth: list[int] | None = None
+    model: Any, prompts: list[list[int]], speculative: bool, truth: list[list[int]] | None = None
 ) -> tuple:
     """Greedy generation of `prompts` through BatchGenerator, speculating or not:
     ([(tokens, final cache)] in prompt order, the speculative counters). `truth`:
-    a plain run's tokens; drafts are then those with every third one wrong."""
+    a plain run's tokens per prompt; drafts are then those with every third (fourth,
+    ...) one wrong."""
     batch = BatchGenerator(model, completion_batch_size=4, prefill_batch_size=4)
     stats = SpeculativeStats()
     if speculative:
@@ -235,8 +236,11 @@ def run_batch(
         if truth is not None:
 
             def draft(seq: Any, context: list[int], k: int) -> list[int]:
-                future = truth[len(context) : len(context) + k]
-                return [t + 1 if (len(context) + j) % 3 == 0 else t for j, t in enumerate(future)]
+                row = next(i for i, t in enumerate(truth) if t[: len(context)] == context)
+                future = truth[row][len(context) : len(context) + k]
+                every = 3 + row  # rows reject at different places
+                wrong = [(len(context) + j) % every == 0 for j in range(len(future))]
+                return [t + w for t, w in zip(future, wrong, strict=True)]
 
             spec.draft = draft  # type: ignore[method-assign]
     uids = batch.insert(prompts, max_tokens=[30] * len(prompts))
@@ -269,17 +273,29 @@ def test_rollback_leaves_the_cache_of_a_plain_run(tiny_llama_dir: Path) -> None:
             assert mx.allclose(ka, kb, atol=1e-5).item() and mx.allclose(va, vb, atol=1e-5).item()
 
 
-def test_recurrent_state_after_rejection_is_a_plain_runs(cache_arch_dirs) -> None:
-    """qwen3_next, one sequence: after speculative steps with rejections (recurrent
-    state restored, kept tokens recomputed), every layer's state, recurrent and
-    attention, equals a plain run's, and so do the tokens."""
+@pytest.mark.parametrize("batched", [False, True])
+def test_recurrent_state_after_rejection_is_a_plain_runs(cache_arch_dirs, batched: bool) -> None:
+    """qwen3_next, alone and two sequences accepting different counts: after
+    speculative steps with rejections (recurrent state restored, kept tokens
+    recomputed, right-padded), every layer's state, recurrent and attention,
+    equals a plain run's, and so do the tokens."""
     model, _ = mlx_load(str(cache_arch_dirs["qwen3_next"]))
-    prompt = [[5 + i % 7 for i in range(40)]]
-    [(tokens_a, cache_a)], _ = run_batch(model, prompt, False)
-    [(tokens_b, cache_b)], stats = run_batch(model, prompt, True, truth=tokens_a)
+    prompts = [[5 + i % 7 for i in range(40)], [9 + (i * i) % 23 for i in range(25)]]
+    prompts = prompts if batched else prompts[:1]
+    plain, _ = run_batch(model, prompts, False)
+    speculative, stats = run_batch(model, prompts, True, truth=[t for t, _ in plain])
     assert stats.passes > 0 and stats.drafted_tokens > stats.accepted_tokens > 0
     assert stats.recompute_passes > 0
-    assert tokens_b == tokens_a
+    recurrent = 0
+    for (tokens_a, cache_a), (tokens_b, cache_b) in zip(plain, speculative, strict=True):
+        assert tokens_b == tokens_a
+        recurrent += check_same_cache(cache_a, cache_b)
+    assert recurrent > 0
+
+
+def check_same_cache(cache_a: list[Any], cache_b: list[Any]) -> int:
+    """Assert two caches of one sequence hold the same state; the recurrent layers'
+    count."""
     recurrent = 0
     for a, b in zip(cache_a, cache_b, strict=True):
         if hasattr(a, "keys"):
@@ -291,7 +307,7 @@ def test_recurrent_state_after_rejection_is_a_plain_runs(cache_arch_dirs) -> Non
             for x, y in zip(a.cache, b.cache, strict=True):
                 assert x.shape == y.shape
                 assert mx.allclose(x, y, atol=1e-4).item()
-    assert recurrent > 0
+    return recurrent
 
 
 def test_speculative_sampling_keeps_the_distribution() -> None:

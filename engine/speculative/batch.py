@@ -11,18 +11,19 @@ route to once (experts/offload.py sends calls of more than one token per
 sequence expert-major). Each sequence then emits its next token and the
 draft tokens the pass accepted (accept.py), keeps the token after them as
 its next one, and its KV cache is taken back past the rest (rollback.py).
-A hybrid model's recurrent layers cannot be taken back: in a batch of one,
-their state is snapshotted before the pass and, when a draft token was
-rejected, restored, the attention layers trimmed to the same position and
-the kept tokens run again in a second, short pass (a recompute: an extra
-read of the weights, which the adaptive length counts in the step's cost).
+A hybrid model's recurrent layers cannot be taken back: their state is
+snapshotted before the pass and, when a sequence rejected a draft token,
+restored, the attention layers trimmed to the same position and every
+sequence's kept tokens run again in a second, short pass (a recompute: an
+extra read of the weights, which the adaptive length counts in the step's
+cost).
 Between steps the state is what a plain step leaves, so plain and
 speculative steps mix freely.
 
 A step speculates only when no sequence has logits processors (penalties,
 grammars, logit_bias: they see one position at a time and a grammar's
 state cannot be taken back yet) and every layer's cache can be rolled back
-(or, for a batch of one, snapshotted);
+(or snapshotted);
 otherwise, and when no sequence has a draft, it is mlx-lm's plain step.
 """
 
@@ -207,8 +208,9 @@ class SpeculativeBatch(GenerationBatch):
             self._token_context[i]._size = size + kept_tokens[i]
         if saved is None:
             roll_back(self.prompt_cache, [width + 1 - k for k in kept_tokens])
-        elif kept_tokens[0] < width + 1:
-            self._recompute(saved, width + 1, emitted[0][: kept_tokens[0]])
+        elif min(kept_tokens) < width + 1:
+            kept = [e[:k] for e, k in zip(emitted, kept_tokens, strict=True)]
+            self._recompute(saved, width + 1, kept)
         for i in range(len(self.uids)):
             self.tokens[i].extend(emitted[i][: kept_tokens[i]])
         for r in responses:
@@ -226,14 +228,27 @@ class SpeculativeBatch(GenerationBatch):
             self.filter(keep)
         return responses
 
-    def _recompute(self, saved: Snapshot, ran: int, kept: list[int]) -> None:
-        """Take a hybrid batch of one back to before the pass (`ran` tokens) and run
-        the `kept` tokens again, so every layer holds what a plain run's would."""
+    def _recompute(self, saved: Snapshot, ran: int, kept: list[list[int]]) -> None:
+        """Take a hybrid batch back to before the pass (`ran` tokens) and run each
+        sequence's `kept` tokens again, so every layer holds what a plain run's
+        would. Rows keep different counts: they are right-padded, as mlx-lm pads
+        prompts (ArraysCache `lengths` leaves the recurrent state alone past a
+        row's tokens; BatchKVCache rolls the padded keys into left padding)."""
         restore(saved)
-        roll_back([c for c in self.prompt_cache if type(c) is BatchKVCache], [ran])
-        with prompt_matmul.decode_rows(len(kept)):
-            logits = self.model(mx.array([kept], dtype=mx.uint32), cache=self.prompt_cache)
-        mx.eval(logits, [c.cache for c, _ in saved])
+        roll_back([c for c in self.prompt_cache if type(c) is BatchKVCache], [ran] * len(kept))
+        longest = max(len(k) for k in kept)
+        padding = [longest - len(k) for k in kept]
+        if any(padding):
+            for c in self.prompt_cache:
+                c.prepare(lengths=[len(k) for k in kept], right_padding=padding)
+        rows = [k + [0] * p for k, p in zip(kept, padding, strict=True)]
+        with prompt_matmul.decode_rows(longest):
+            logits = self.model(mx.array(rows, dtype=mx.uint32), cache=self.prompt_cache)
+        mx.eval(logits)
+        if any(padding):
+            for c in self.prompt_cache:
+                c.finalize()
+        mx.eval([c.state for c in self.prompt_cache])
         self.speculation.stats.recompute_passes += 1
 
     def _process(

@@ -12,11 +12,10 @@ tests check the cache equals a non-speculative run's).
 Recurrent layers (ArraysCache: qwen3_next, qwen3_5's Gated DeltaNet conv and
 recurrent state) cannot be trimmed: their state is snapshotted before the
 pass (`snapshot`: a few small arrays per layer, which mlx never mutates in
-place) and, for a sequence that rejected a draft, restored; the attention
-layers are then trimmed back to the same position and the tokens kept are
-run again (batch.py). That is done for a batch of one only; a batch with
-recurrent layers decodes plain (`can_snapshot`). A rotating window may have
-overwritten what it would restore: a model with one is not speculated on.
+place) and, when a sequence rejected a draft, restored; the attention layers
+are then trimmed back to the same position and every sequence's kept tokens
+run again, right-padded (batch.py). A rotating window may have overwritten
+what it would restore: a model with one is not speculated on.
 """
 
 from __future__ import annotations
@@ -38,8 +37,8 @@ def can_roll_back(cache: list[Any]) -> bool:
 
 
 def can_snapshot(cache: list[Any]) -> bool:
-    """Whether the cache is a batch of one whose layers are rollable BatchKVCaches or
-    recurrent ArraysCaches (with no prompt lengths pending), at least one of each kind."""
+    """Whether the cache's layers are rollable BatchKVCaches or recurrent ArraysCaches
+    (with no prompt lengths pending), at least one of each kind."""
     kv = [c for c in cache if type(c) is BatchKVCache]
     recurrent = [c for c in cache if type(c) is ArraysCache]
     return (
@@ -47,8 +46,7 @@ def can_snapshot(cache: list[Any]) -> bool:
         and bool(recurrent)
         and len(kv) + len(recurrent) == len(cache)
         and can_roll_back(kv)
-        and all(c.lengths is None and c.batch_size == 1 for c in recurrent)
-        and all(c.keys.shape[0] == 1 for c in kv)
+        and all(c.lengths is None for c in recurrent)
     )
 
 
