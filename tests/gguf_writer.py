@@ -20,7 +20,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 from mlx.utils import tree_flatten
 
-from flashserve.engine.weights.gguf.synthetic import tokenizer_metadata
+from flashserve.engine.weights.gguf.synthetic import add_metadata, tokenizer_metadata
 
 # Byte offsets of each type's float16 super-scales (d, dmin) inside a block, and the
 # largest |q * sub-scale| they multiply: d is drawn so that weights stay near 0.1.
@@ -99,17 +99,7 @@ def encode(array: np.ndarray, qtype: T, rng: np.random.Generator) -> np.ndarray:
 def write_gguf(path: Path, arch: str, metadata: dict, tensors: list[tuple[str, np.ndarray, T]]):
     """A GGUF file with `metadata` (typed by `gguf`) and already-encoded tensors."""
     writer = gguf.GGUFWriter(str(path), arch)
-    for key, value in metadata.items():
-        if isinstance(value, bool):
-            writer.add_bool(key, value)
-        elif isinstance(value, int):
-            writer.add_uint32(key, value)
-        elif isinstance(value, float):
-            writer.add_float32(key, value)
-        elif isinstance(value, str):
-            writer.add_string(key, value)
-        else:
-            writer.add_array(key, value)
+    add_metadata(writer, metadata)
     for name, data, qtype in tensors:
         raw = None if qtype in (T.F32,) and data.dtype == np.float32 else qtype
         writer.add_tensor(name, data, raw_dtype=raw)

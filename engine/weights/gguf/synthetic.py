@@ -69,6 +69,21 @@ def tokenizer_metadata(tokenizer_dir: Path) -> dict[str, Any]:
     }
 
 
+def add_metadata(writer: Any, metadata: dict[str, Any]) -> None:
+    """Key-value pairs into a `gguf.GGUFWriter`, typed the way llama.cpp reads them."""
+    for key, value in metadata.items():
+        if isinstance(value, bool):
+            writer.add_bool(key, value)
+        elif isinstance(value, int):
+            writer.add_uint32(key, value)
+        elif isinstance(value, float):
+            writer.add_float32(key, value)
+        elif isinstance(value, str):
+            writer.add_string(key, value)
+        else:
+            writer.add_array(key, value)
+
+
 def write_moe_gguf(path: Path, shape: dict[str, int], seed: int = 0) -> Path:
     """Write a random qwen3moe GGUF of `shape` (see CAP_MOE) to `path`."""
     try:
@@ -105,17 +120,7 @@ def write_moe_gguf(path: Path, shape: dict[str, int], seed: int = 0) -> Path:
         f"{arch}.expert_feed_forward_length": inter,
         **tokenizer,
     }
-    for key, value in metadata.items():
-        if isinstance(value, int) and not isinstance(value, bool):
-            writer.add_uint32(key, value)
-        elif isinstance(value, float):
-            writer.add_float32(key, value)
-        elif isinstance(value, str):
-            writer.add_string(key, value)
-        elif isinstance(value, bool):
-            writer.add_bool(key, value)
-        else:
-            writer.add_array(key, value)
+    add_metadata(writer, metadata)
 
     # (name, element shape (numpy order), ggml type, maker of its data)
     plan: list[tuple[str, tuple[int, ...], Any, Any]] = []
