@@ -174,6 +174,12 @@ class Settings(BaseSettings):
         None, description="override the parser chosen from the template"
     )
     reasoning_parser: str | None = Field(None, description="'none' turns reasoning parsing off")
+    history_thinking: Literal["template", "empty", "keep"] = Field(
+        "empty",
+        description="earlier assistant turns' <think> blocks: template (as the chat template "
+        "renders them) | empty (thinking off: the empty block the model saw, so the next turn "
+        "reuses prompt + answer) | keep (also the reasoning a client passes back)",
+    )
 
     # Production
     api_key: str | None = None

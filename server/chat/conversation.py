@@ -61,6 +61,7 @@ class ChatOptions:
     default_max_tokens: int = 512
     prompt: PromptLimits = PromptLimits()
     stream_keepalive: float = 5.0  # seconds; 0: no keepalive events
+    history_thinking: str = "empty"  # template | empty | keep (chat/think_history.py)
 
 
 # -- output events ------------------------------------------------------------------

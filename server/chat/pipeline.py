@@ -23,6 +23,7 @@ from flashserve.server.chat.conversation import (
 )
 from flashserve.server.chat.output import ChatOutput
 from flashserve.server.chat.prompts import render_prompt
+from flashserve.server.chat.reasoning import THINK
 from flashserve.server.chat.tooling import ChatPlan, plan_chat, template_inputs
 from flashserve.server.generation import Generation, completion_budget, submit
 from flashserve.server.http.lifecycle import RequestTracker
@@ -75,6 +76,9 @@ async def render_chat(
     count (Anthropic's count_tokens) counts, so the two never disagree."""
     plan = plan_chat(request, loaded.tokenizer, options)
     messages, tools = template_inputs(plan, request.messages)
+    # Earlier turns' think blocks as the model saw them (chat/think_history.py):
+    # only for `<think>` models, whose templates that setting knows.
+    thinking = options.history_thinking if plan.tooling.reasoning == THINK else "template"
     prompt_text, prompt = await render_prompt(
         loaded.tokenizer,
         messages,
@@ -82,6 +86,7 @@ async def render_chat(
         request.chat_template_kwargs,
         options.prompt,
         param=request.messages_param,
+        history_thinking=thinking,
     )
     return plan, prompt_text, prompt
 

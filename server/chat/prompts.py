@@ -35,7 +35,7 @@ from typing import Any, TypeVar
 import jinja2
 
 from flashserve.engine.weights.tokenizer import hf_tokenizer
-from flashserve.server.chat import sandbox, system_turns
+from flashserve.server.chat import sandbox, system_turns, think_history
 from flashserve.server.chat.conversation import PromptLimits
 from flashserve.server.http.errors import RETRY_AFTER_S, SERVER_ERROR, APIError, invalid_request
 from flashserve.server.settings import Settings
@@ -139,11 +139,14 @@ async def render_prompt(
     chat_template_kwargs: dict[str, Any] | None = None,
     limits: PromptLimits | None = None,
     param: str = "messages",
+    history_thinking: str = "template",
 ) -> tuple[str, list[int]]:
     """Render the chat template; return (prompt text, prompt token ids).
 
     `messages` and `tools` are what the template reads (chat/tooling.py,
     template_inputs); a 400 naming `param` when the template rejects them.
+    `history_thinking` restores earlier turns' think blocks (chat/think_history.py;
+    "template" leaves them to the template).
     """
     limits = limits or PromptLimits()
     kwargs = dict(chat_template_kwargs or {})
@@ -165,7 +168,9 @@ async def render_prompt(
                 "own field.",
                 f"chat_template_kwargs.{key}",
             )
-    job = _RenderJob(tokenizer, messages, tools, kwargs, client_template, limits, param)
+    job = _RenderJob(
+        tokenizer, messages, tools, kwargs, client_template, limits, param, history_thinking
+    )
     return await run_render_job(job.run, limits, param)
 
 
@@ -180,6 +185,7 @@ class _RenderJob:
     client_template: str | None
     limits: PromptLimits
     param: str
+    history_thinking: str = "template"
 
     def run(self, deadline: float) -> tuple[str, list[int]]:
         """Template -> text -> token ids."""
@@ -233,8 +239,17 @@ def _render_text(job: _RenderJob, deadline: float) -> str:
     source = _template_source(hf, client_template, tools, param)
     variables = _template_variables(tokenizer, hf, messages, tools, kwargs)
     where = CLIENT_TEMPLATE if client_template is not None else param
+
+    def render(shown: list[dict[str, Any]]) -> str:
+        return sandbox.render(
+            source, {**variables, "messages": shown}, max_chars=limits.max_chars, deadline=deadline
+        )
+
     try:
-        return sandbox.render(source, variables, max_chars=limits.max_chars, deadline=deadline)
+        shown = think_history.restore_think_blocks(
+            variables["messages"], job.history_thinking, variables.get("enable_thinking"), render
+        )
+        return render(shown)
     except sandbox.TemplateTimeoutError:
         log.warning("chat template stopped at template_timeout (%g s)", limits.timeout)
         raise template_timeout(limits.timeout, where) from None

@@ -60,4 +60,5 @@ def chat_options(settings: Settings) -> ChatOptions:
         default_max_tokens=settings.default_max_tokens,
         prompt=prompt_limits(settings),
         stream_keepalive=settings.stream_keepalive,
+        history_thinking=settings.history_thinking,
     )
