@@ -61,11 +61,19 @@ def test_the_plan_fits_what_is_available_dense_layers_first() -> None:
     assert plan.expert_cache_bytes >= 0.9 * (1000 * MB - (planned - plan.expert_cache_bytes))
     assert plan.in_use_bytes == 200 * MB
     assert any("dense layers resident first" in r for r in plan.reasons)
+    # A prefill's activations are lent by the expert cache, not set aside for good.
+    assert plan.prefill_reserve_bytes == 100 * MB
+    assert plan.expert_cache_bytes - plan.prefill_reserve_bytes >= 2 * 8 * 3 * MB
+    # Set aside for good (the plan before lending): 100 MB less to start from.
+    for_good = _plan(_shape(activation_bytes=0), available=900 * MB)
+    assert for_good.prefill_reserve_bytes == 0
+    assert abs(plan.expert_cache_bytes - for_good.expert_cache_bytes - 95 * MB) <= MB
 
 
 def test_experts_never_get_more_than_all_experts_nor_less_than_twice_top_k() -> None:
     roomy = _plan(_shape(expert_bytes=100 * MB), available=1000 * MB)
     assert roomy.expert_cache_bytes == 100 * MB
+    assert roomy.prefill_reserve_bytes == 0  # every expert cached: nothing to lend
     assert any("every expert fits" in r for r in roomy.reasons)
     tight = _plan(_shape(), available=200 * MB, limit=250 * MB)
     assert tight.shed_floor_bytes == MIN_FLOOR

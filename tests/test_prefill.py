@@ -188,3 +188,48 @@ def test_a_long_prefill_keeps_decodes_working_set(cache_arch_dirs: dict[str, Pat
         assert set(cache.keys()) == kept
     finally:
         engine.shutdown()
+
+
+def test_a_prefill_borrows_the_plans_room_and_decode_fills_it_back(
+    cache_arch_dirs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """The memory plan's prefill room (streaming/memplan.py): a prefill evicts experts
+    until the room is free and keeps it free while it runs; decode then fills the
+    cache to its whole capacity again, and the output stays the resident model's."""
+    from flashserve.engine.experts import offload
+
+    prepared = _prepared(cache_arch_dirs, tmp_path, "qwen3_moe")
+    resident = _engine(prepared)
+    try:
+        expected = _alone(resident, [LONG[:6], LONG], tokens=12)
+    finally:
+        resident.shutdown()
+    engine = _engine(prepared, expert_cache="6")
+    try:
+        experts = engine.loaded.experts
+        record = max(experts.nbytes.values())
+        cache = experts.cache
+        cache.capacity = type(cache.capacity)(nbytes=6 * record)  # bytes: the room is bytes
+        cache.prefill_room = 3 * record
+        seen: list[tuple[int, int]] = []
+        real = offload.expert_major
+
+        def watched(*args, **kwargs):
+            seen.append((cache.nbytes, cache.held))
+            out = real(*args, **kwargs)
+            seen.append((cache.nbytes, cache.held))
+            return out
+
+        monkeypatch.setattr(offload, "expert_major", watched)
+        got = [_alone(engine, [LONG[:6]], tokens=12)[0]]
+        assert cache.nbytes == 6 * record  # decode filled it
+        seen.clear()
+        got += _alone(engine, [LONG], tokens=12)
+        assert seen, "the prefill made no expert-major call"
+        # LONG is longer than a chunk: the whole room is held through the prefill.
+        assert all(held == 3 * record and n + held <= 6 * record for n, held in seen), seen
+        assert cache.held == 0  # given back when the prefill ended
+        assert cache.nbytes == 6 * record  # and decode filled the cache again
+        assert got == expected
+    finally:
+        engine.shutdown()

@@ -311,6 +311,11 @@ class ExpertCache:
         self._entries: dict[Key, Entry] = {}
         self.nbytes = 0
         self.pinned: set[Key] = set()
+        # The memory plan's prefill room (streaming/memplan.py): bytes of the
+        # capacity a prefill borrows for its activations, and what is held now
+        # (experts/prefill.py hold_room); inserts keep `held` bytes free.
+        self.prefill_room = 0
+        self.held = 0
         # layer -> changes to its keys or values: lists built over a layer's
         # cached experts (experts/compute.py: built_ahead) are current while it stands.
         self._versions: dict[int, int] = {}
@@ -356,14 +361,14 @@ class ExpertCache:
         """Whether an entry of `nbytes` could be inserted after evicting unpinned keys."""
         pinned_bytes = sum(self._entries[k].nbytes for k in self.pinned if k in self._entries)
         pinned_slots = sum(1 for k in self.pinned if k in self._entries)
-        return self.capacity.fits(pinned_slots + 1, pinned_bytes + nbytes)
+        return self.capacity.fits(pinned_slots + 1, pinned_bytes + nbytes + self.held)
 
     def insert(self, key: Key, value: Any, nbytes: int) -> list[Key]:
         """Insert a missed key (counted as a use); return the keys evicted for it."""
         self.policy.access(key)
         evicted = []
         while self._entries and not self.capacity.fits(
-            len(self._entries) + 1, self.nbytes + nbytes
+            len(self._entries) + 1, self.nbytes + nbytes + self.held
         ):
             victim = self.policy.victim(self.pinned)
             if victim is None:
@@ -378,6 +383,10 @@ class ExpertCache:
         self.nbytes += nbytes
         self.policy.insert(key)
         return evicted
+
+    def has_room(self, nbytes: int) -> bool:
+        """Whether an entry of `nbytes` fits now, without evicting anything."""
+        return self.capacity.fits(len(self._entries) + 1, self.nbytes + nbytes + self.held)
 
     def _evict(self, key: Key) -> None:
         entry = self._entries.pop(key)

@@ -18,6 +18,11 @@ every chunk of the prompts being prefilled) runs expert by expert instead:
 Memory: `window` records in flight plus the call's outputs (tokens x top-k
 rows). The arithmetic is the decode path's (experts/compute.py, one expert
 at a time), so the output is the same bit for bit.
+
+Under the memory plan (streaming/memplan.py) the cache also lends a prefill
+the room its activations take: `hold_room` evicts experts before the prefill
+starts and keeps that room free until `release_room`, after which decode
+misses fill the cache again.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from concurrent.futures import Future
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -36,6 +42,7 @@ from flashserve.engine.experts.stats import (
     BYTES_READ,
     DEMAND_BYTES,
     DEMAND_SECONDS,
+    EVICTIONS,
     HITS,
     MISSES,
     ExpertStats,
@@ -101,7 +108,7 @@ def expert_major(
             mx.eval(o)  # done with the record: it can be kept, or read into again
             outs += o
             positions += p
-            if cache.capacity.fits(len(cache) + 1, cache.nbytes + nbytes):
+            if cache.has_room(nbytes):
                 cache.insert((layer, e), CachedExpert(result.buffer, tensors), nbytes)
                 stats.resident(layer, 1, nbytes)
             else:
@@ -122,3 +129,42 @@ def expert_major(
         },
     )
     return outs, positions
+
+
+def hold_room(offload: Any, tokens: int, chunk_tokens: int) -> int:
+    """Free the expert cache's prefill room for a prefill of `tokens` prompt tokens.
+
+    `offload` is the model's experts.offload.ExpertOffload. The room is the
+    plan's (`cache.prefill_room`, sized for a full chunk and group) scaled by
+    tokens / chunk_tokens up to all of it: a chunk's activations and the held
+    hidden states grow with the tokens. Evicts the policy's victims until that
+    much of the capacity is free, gives their buffers back (the spare pool
+    keeps a prefill window's worth) and keeps it free until release_room.
+    Returns the bytes evicted. A cache that holds every expert lends nothing.
+    """
+    cache: ExpertCache = offload.cache
+    room = int(cache.prefill_room * min(1.0, tokens / max(chunk_tokens, 1)))
+    if room <= 0 or offload.all_fit:
+        return 0
+    cache.held = room
+    freed = 0
+    while len(cache) and not cache.capacity.fits(len(cache), cache.nbytes + room):
+        victim = cache.policy.victim(cache.pinned)
+        if victim is None:
+            break
+        nbytes = offload.nbytes[victim[0]]
+        cache.evict(victim)
+        offload.stats.resident(victim[0], -1, -nbytes)
+        offload.stats.add(victim[0], EVICTIONS)
+        freed += nbytes
+    if freed:
+        for info in offload.layers.values():
+            info.every = None  # its lists would keep the evicted experts' buffers alive
+        offload.store.drop_free(keep=offload.prefill_window)
+        mx.clear_cache()
+    return freed
+
+
+def release_room(offload: Any) -> None:
+    """The prefill is over: the cache may fill its whole capacity again."""
+    offload.cache.held = 0

@@ -236,8 +236,10 @@ class ExpertStore:
         if len(pool) < self.max_free:
             pool.append(buffer)
 
-    def drop_free(self) -> None:
-        self._free.clear()
+    def drop_free(self, keep: int = 0) -> None:
+        """Free the spare buffers, keeping at most `keep` of each record length."""
+        for pool in self._free.values():
+            del pool[keep:]
 
     def submit(self, layer: int, expert: int) -> Future[ReadResult]:
         """Start reading one expert. Call on the thread that runs MLX (allocates)."""

@@ -48,6 +48,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from greenlet import greenlet
 
+from flashserve.engine.experts.prefill import hold_room, release_room
 from flashserve.engine.weights.layout import find_layers
 from flashserve.engine.weights.model import ModelLoadError, compute_dtype
 
@@ -193,6 +194,7 @@ class LayerMajorPrefill:
         self.layers[:] = gates
         if self.experts is not None:
             self.experts.gather = self._gather
+            hold_room(self.experts, sum(len(c.tokens) for c in chunks), self.chunk_tokens)
         try:
             self._start(chunks)
             for index in range(len(gates)):
@@ -202,6 +204,7 @@ class LayerMajorPrefill:
             self.layers[:] = [g.layer for g in gates]
             if self.experts is not None:
                 self.experts.gather = None
+                release_room(self.experts)
             for chunk in chunks:
                 if chunk.glet is not None and not chunk.glet.dead:
                     chunk.glet.throw()  # unwinds its forward; nothing is left suspended

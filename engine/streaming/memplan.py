@@ -12,8 +12,7 @@ the host's available memory; streaming/memory.py) and takes out, in order:
   never trips shedding (the floor itself shrinks with the limit: 4% of it, at
   least 32 MB, never more than the configured floor);
 * the runtime reserve: MLX's buffer pool (its cache limit is set to the
-  number planned here; MLX's default is the whole host's memory), a prefill
-  chunk's activations and the hidden states a layer-major prefill holds, the
+  number planned here; MLX's default is the whole host's memory), the
   expert reads in flight and the store's spare record buffers, and a measured
   margin for the Python heap (RUNTIME_BASE); under a limit below 4 GB the
   prefill takes 256-token chunks and 4 expert I/O threads, to hold less;
@@ -26,6 +25,14 @@ the host's available memory; streaming/memory.py) and takes out, in order:
   (uniform routing), so dense layers go first;
 * what is left is the expert cache (never more than all experts, never less
   than one layer's top-k twice).
+
+A prefill's activations (a chunk's, and the hidden states a layer-major
+prefill holds) are not taken out for good: they exist only while a prompt is
+prefilled. The expert cache lends them its room instead: a prefill first
+evicts experts until its share is free and keeps the cache that much smaller
+until it ends (experts/prefill.py `hold_room`); decode misses then fill the
+cache back up. A prefill reads nearly every expert of a layer anyway, so the
+experts it evicts cost little, and between prompts the room holds experts.
 
 The plan, its inputs and the reason for each number are logged at load and
 served in GET /memory (`memory_plan`).
@@ -98,6 +105,7 @@ class MemoryPlan:
     headroom_bytes: int
     mlx_cache_limit_bytes: int
     runtime_reserve_bytes: int
+    prefill_reserve_bytes: int  # lent by the expert cache while a prefill runs
     kv_reserve_bytes: int
     kv_reserve_tokens: int
     prompt_cache_bytes: int
@@ -119,7 +127,9 @@ class MemoryPlan:
             f"in use {fmt_bytes(self.in_use_bytes)}, shed floor "
             f"{fmt_bytes(self.shed_floor_bytes)} + headroom {fmt_bytes(self.headroom_bytes)}, "
             f"runtime {fmt_bytes(self.runtime_reserve_bytes)} (MLX pool "
-            f"{fmt_bytes(self.mlx_cache_limit_bytes)}), KV {fmt_bytes(self.kv_reserve_bytes)} "
+            f"{fmt_bytes(self.mlx_cache_limit_bytes)}), prefill "
+            f"{fmt_bytes(self.prefill_reserve_bytes)} (lent by the expert cache), "
+            f"KV {fmt_bytes(self.kv_reserve_bytes)} "
             f"({self.kv_reserve_tokens} tokens), "
             f"prompt cache {fmt_bytes(self.prompt_cache_bytes)}, "
             f"{self.resident_layers}/{self.num_layers} dense layers resident "
@@ -156,11 +166,16 @@ def plan_memory(
     )
     mlx_cache = min(MLX_CACHE_MAX, int(limit * MLX_CACHE_FRACTION))
     io_buffers = 2 * shape.io_window * shape.record_bytes  # in flight + the spare pool
-    runtime = RUNTIME_BASE + mlx_cache + shape.activation_bytes + io_buffers
+    runtime = RUNTIME_BASE + mlx_cache + io_buffers
     reasons.append(
         f"runtime {fmt_bytes(runtime)}: base {fmt_bytes(RUNTIME_BASE)} (measured), MLX pool "
-        f"{fmt_bytes(mlx_cache)}, activations {fmt_bytes(shape.activation_bytes)}, expert "
-        f"reads {fmt_bytes(io_buffers)} (2 x {shape.io_window} records)"
+        f"{fmt_bytes(mlx_cache)}, expert reads {fmt_bytes(io_buffers)} "
+        f"(2 x {shape.io_window} records)"
+    )
+    prefill = shape.activation_bytes
+    reasons.append(
+        f"prefill {fmt_bytes(prefill)} (a chunk's activations and the hidden states held): "
+        "lent by the expert cache while a prompt is prefilled, experts the rest of the time"
     )
     kv = kv_tokens * shape.kv_bytes_per_token
     # With a disk tier, half a context in memory: the newest states stay (the next
@@ -187,6 +202,7 @@ def plan_memory(
             and sum(shape.layer_bytes[:count])
             + (buffers if count < num_layers else 0)
             + min_experts
+            + prefill
             > room
         ):
             count -= 1
@@ -200,15 +216,22 @@ def plan_memory(
     dense = sum(shape.layer_bytes[:count])
     stream = buffers if count < num_layers else 0
     experts = int((room - dense - stream) * EXPERT_SAFETY)
-    if experts > shape.expert_bytes:
-        reasons.append("every expert fits: the cache holds them all")
-        experts = shape.expert_bytes
-    if experts < min_experts:
+    if experts >= shape.expert_bytes + prefill:
+        reasons.append("every expert fits beside a prefill: the cache holds them all")
+        experts, prefill = shape.expert_bytes, 0
+    elif experts >= shape.expert_bytes:
+        # A cache of every expert runs on slabs (one buffer per layer), which
+        # cannot give back part of a layer: it keeps the prefill's room for good.
+        reasons.append("every expert fits only with the prefill's room: it stays free")
+        experts, prefill = experts - prefill, 0
+    if experts - prefill < min_experts:
         reasons.append(
-            f"WARNING: the limit leaves {fmt_bytes(max(experts, 0))} for experts; using the "
-            f"minimum {fmt_bytes(min_experts)} (2 x top-{shape.top_k}): expect shedding"
+            f"WARNING: the limit leaves {fmt_bytes(max(experts - prefill, 0))} for experts while "
+            f"a prompt is prefilled; using the minimum {fmt_bytes(min_experts)} "
+            f"(2 x top-{shape.top_k}) then: expect shedding"
         )
-        experts = min_experts
+        experts = max(experts, min_experts)
+        prefill = max(0, min(prefill, experts - min_experts))
     return MemoryPlan(
         limit_bytes=int(limit),
         limit_source=source,
@@ -218,6 +241,7 @@ def plan_memory(
         headroom_bytes=headroom,
         mlx_cache_limit_bytes=mlx_cache,
         runtime_reserve_bytes=runtime,
+        prefill_reserve_bytes=prefill,
         kv_reserve_bytes=kv,
         kv_reserve_tokens=kv_tokens,
         prompt_cache_bytes=prompt,

@@ -268,6 +268,9 @@ def load_prepared(path: Path, config: EngineConfig) -> LoadedModel:
     if config.expert_cache:
         experts = offload_from_config(model, root, manifest, config, model_config)
         streamer.residency.add_pressure_hook(experts.shrink)
+        memory_plan = getattr(streamer, "memory_plan", None)
+        if memory_plan is not None:
+            experts.cache.prefill_room = memory_plan.prefill_reserve_bytes
     try:
         tokenizer = load_tokenizer(root, eos_token_ids=model_config.get("eos_token_id"))
     except Exception as exc:
