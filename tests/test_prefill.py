@@ -204,13 +204,14 @@ def test_a_prefill_borrows_the_plans_room_and_decode_fills_it_back(
         expected = _alone(resident, [LONG[:6], LONG], tokens=12)
     finally:
         resident.shutdown()
-    engine = _engine(prepared, expert_cache="6")
+    engine = _engine(prepared, expert_cache="8", prompt_cache_bytes=1 << 30)
     try:
         experts = engine.loaded.experts
         record = max(experts.nbytes.values())
         cache = experts.cache
-        cache.capacity = type(cache.capacity)(nbytes=6 * record)  # bytes: the room is bytes
+        cache.capacity = type(cache.capacity)(nbytes=8 * record)  # bytes: the room is bytes
         cache.prefill_room = 3 * record
+        cache.state_bytes_per_token = record // 1000
         seen: list[tuple[int, int]] = []
         real = offload.expert_major
 
@@ -222,14 +223,25 @@ def test_a_prefill_borrows_the_plans_room_and_decode_fills_it_back(
 
         monkeypatch.setattr(offload, "expert_major", watched)
         got = [_alone(engine, [LONG[:6]], tokens=12)[0]]
-        assert cache.nbytes == 6 * record  # decode filled it
+        assert cache.nbytes == 8 * record  # decode filled it
         seen.clear()
         got += _alone(engine, [LONG], tokens=12)
         assert seen, "the prefill made no expert-major call"
-        # LONG is longer than a chunk: the whole room is held through the prefill.
-        assert all(held == 3 * record and n + held <= 6 * record for n, held in seen), seen
+        # LONG is longer than a chunk: the whole room is held through the prefill,
+        # and the copies of LONG[:6]'s stored state it starts from.
+        room = 3 * record + 2 * 6 * (record // 1000)
+        assert all(held == room and n + held <= 8 * record for n, held in seen), seen
         assert cache.held == 0  # given back when the prefill ended
-        assert cache.nbytes == 6 * record  # and decode filled the cache again
+        assert cache.nbytes == 8 * record  # and decode filled the cache again
         assert got == expected
+        # The next turn starts from LONG's stored state: its few new tokens need
+        # little room for activations, but the hit's copies of that state need room.
+        seen.clear()
+        _alone(engine, [[*LONG, 7, 8, 9]], tokens=2)
+        assert seen
+        activations = 3 * record * 3 / STEP  # the 3 new tokens
+        copies = 2 * len(LONG) * (record // 1000)  # LONG's whole state
+        assert all(held == int(activations) + copies for _, held in seen), (seen, record)
+        assert all(n + held <= 8 * record for n, held in seen), seen
     finally:
         engine.shutdown()

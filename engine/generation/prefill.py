@@ -194,7 +194,11 @@ class LayerMajorPrefill:
         self.layers[:] = gates
         if self.experts is not None:
             self.experts.gather = self._gather
-            hold_room(self.experts, sum(len(c.tokens) for c in chunks), self.chunk_tokens)
+            starts: dict[int, int] = {}  # per prompt: where its first chunk starts
+            for c in chunks:
+                starts[id(c.job)] = min(starts.get(id(c.job), c.start), c.start)
+            tokens = sum(len(c.tokens) for c in chunks)
+            hold_room(self.experts, tokens, self.chunk_tokens, sum(starts.values()))
         try:
             self._start(chunks)
             for index in range(len(gates)):
