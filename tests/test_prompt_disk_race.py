@@ -13,6 +13,7 @@ the byte budget.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -122,3 +123,30 @@ def test_next_turn_sent_on_the_final_chunk_while_the_writer_evicts(
         assert "KeyError" not in log and "Traceback" not in log
     finally:
         stop_server(server)
+
+
+def test_a_lookup_waits_for_the_queued_write_that_serves_it(
+    tiny_llama_dir: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """The answer's state, larger than the memory tier, is only on its way to disk
+    when the next turn looks its prefix up: the lookup waits for that write
+    instead of settling for the prompt's shorter entry (or nothing)."""
+    from flashserve.engine.prompt_cache.cache import PromptCache
+
+    model, _ = mlx_load(str(tiny_llama_dir))
+    tier = DiskTier(tmp_path, 1 << 30, "race-model")
+    cache = PromptCache(1, "race-model", disk=tier)  # no state fits in memory
+    cache.store(PROMPT, _state(model, PROMPT))
+    assert tier.flush()
+    write = tier._write
+
+    def slow_write(entry):
+        time.sleep(0.5)  # a state of tens of MB on a busy disk
+        write(entry)
+
+    monkeypatch.setattr(tier, "_write", slow_write)
+    answered = [*PROMPT, 61, 62, 63, 64]
+    cache.store(answered, _state(model, answered))
+    state, reused = cache.fetch([*answered, 65, 66])
+    assert state is not None and reused == len(answered)
+    tier.close()

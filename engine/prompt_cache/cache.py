@@ -51,6 +51,10 @@ _NO_COUNT_LIMIT = 1 << 30
 # Under memory pressure, how long shrink() waits for queued disk writes (a
 # state of a few MB to a few hundred MB at SSD speed).
 SHRINK_FLUSH_SECONDS = 5.0
+# How long a lookup waits for a queued disk write that would serve more of its
+# prompt than what it found (a state of tens of MB at SSD speed: a fraction of
+# a second; a prefill of those tokens takes far longer).
+QUEUED_WAIT_SECONDS = 5.0
 
 
 @dataclass
@@ -101,6 +105,9 @@ class PromptCache:
         cache, reused = self._from_memory(prompt)
         tier = "memory" if cache is not None else None
         if self.disk is not None:
+            if self.disk.queued_serves(prompt) > reused:
+                # A better state is still being written (the answer just ended).
+                self.disk.flush(QUEUED_WAIT_SECONDS)
             found = self.disk.lookup(prompt)
             if found is not None and found[2] > reused:
                 from_disk = self._from_disk(*found)

@@ -117,6 +117,7 @@ class DiskTier:
         self._ours: dict[str, _Entry] = {}
         self._sizes: OrderedDict[str, int] = OrderedDict()  # every file, oldest use first
         self._jobs: queue.Queue[PreparedEntry | None] = queue.Queue(_WRITE_QUEUE)
+        self._queued: list[list[int]] = []  # tokens of the entries put and not yet written
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._scan()
         self._writer = threading.Thread(
@@ -185,10 +186,39 @@ class DiskTier:
 
     def put(self, entry: PreparedEntry) -> None:
         """Queue `entry` for writing; dropped (and counted) when the writer is behind."""
+        with self._lock:
+            self._queued.append(entry.tokens)
         try:
             self._jobs.put_nowait(entry)
         except queue.Full:
             self.stats.dropped += 1
+            self._done(entry)
+
+    def queued_serves(self, prompt: list[int]) -> int:
+        """The most tokens of `prompt` an entry still waiting to be written would serve.
+
+        An agent sends its next turn the moment an answer ends, while that
+        answer's state may still be on its way to disk (and, larger than the
+        memory tier, already gone from memory): fetch() waits for it then.
+        """
+        with self._lock:
+            queued = list(self._queued)
+        best = 0
+        for tokens in queued:
+            common = 0
+            for a, b in zip(tokens, prompt, strict=False):
+                if a != b:
+                    break
+                common += 1
+            best = max(best, min(common, len(prompt) - 1))
+        return best
+
+    def _done(self, entry: PreparedEntry) -> None:
+        with self._lock:
+            for i, tokens in enumerate(self._queued):
+                if tokens is entry.tokens:
+                    del self._queued[i]
+                    break
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until every queued entry is written; False on timeout."""
@@ -226,6 +256,7 @@ class DiskTier:
             except Exception:
                 log.exception("prompt cache entry could not be written")
             finally:
+                self._done(entry)
                 self._jobs.task_done()
         self._jobs.task_done()
 
