@@ -26,13 +26,15 @@ the host's available memory; streaming/memory.py) and takes out, in order:
 * what is left is the expert cache (never more than all experts, never less
   than one layer's top-k twice).
 
-A prefill's activations (a chunk's, and the hidden states a layer-major
-prefill holds) are not taken out for good: they exist only while a prompt is
-prefilled. The expert cache lends them its room instead: a prefill first
-evicts experts until its share is free and keeps the cache that much smaller
-until it ends (experts/prefill.py `hold_room`); decode misses then fill the
-cache back up. A prefill reads nearly every expert of a layer anyway, so the
-experts it evicts cost little, and between prompts the room holds experts.
+What a prefill holds only while it runs is not taken out for good: a
+chunk's activations and the hidden states a layer-major prefill holds, and at
+a prompt-cache hit the copies of the state it starts from. The expert cache
+lends that room instead: a prefill first evicts experts until its share is
+free and keeps the cache that much smaller until it ends
+(experts/prefill.py `hold_room`); decode misses then fill the cache back up.
+A prefill reads nearly every expert of a layer anyway, so the experts it
+evicts cost little, and between prompts the room holds experts (measured
+under a 1.2 GB cap: 466 -> 557 MB of experts, the same peak).
 
 The plan, its inputs and the reason for each number are logged at load and
 served in GET /memory (`memory_plan`).
@@ -57,13 +59,20 @@ log = logging.getLogger(__name__)
 MB = 1024 * 1024
 FLOOR_FRACTION = 0.04  # of the limit: the shed floor under a small limit
 MIN_FLOOR = 32 * MB
-# Measured on a tiny MoE served in a cgroup (docs/guides/memory-cap.md): the
-# private memory a served request adds besides weights, KV, experts, MLX's pool
-# and the activations counted below (Python objects, tokenizer and HTTP state).
-RUNTIME_BASE = 64 * MB
-MLX_CACHE_FRACTION = 0.03  # MLX's buffer pool: 3% of the limit ...
-MLX_CACHE_MAX = 64 * MB  # ... at most this; freed buffers past it go back to the OS
-EXPERT_SAFETY = 0.95  # of the room left: allocator slack and page rounding
+# The private memory serving adds besides weights, KV, experts, MLX's pool and
+# arrays, and the activations counted below (Python objects, tokenizer and HTTP
+# state). Measured (docs/benchmarks/memory-cap.md): 40 MB after a turn of the
+# 3 GB MoE under a 1.2 GB cap (private - MLX's active arrays and pool - what
+# was in use at load); a quarter again as margin.
+RUNTIME_BASE = 48 * MB
+# MLX's buffer pool: 1.5% of the limit, at most 64 MB; freed buffers past it go
+# back to the OS. A decode step's buffers are small; a prefill's large ones
+# cost a page fault per 4 KB when allocated afresh, next to a read of MBs.
+MLX_CACHE_FRACTION = 0.015
+MLX_CACHE_MAX = 64 * MB
+# Of the room left, for allocator slack: expert records are whole buffers of
+# their own (mapped, page-rounded), and the measured slack was nil.
+EXPERT_SAFETY = 0.98
 GROUP_FRACTION = 0.04  # of the limit: hidden states a layer-major prefill may hold
 # Under a limit this small the plan also trims what a prefill holds at once:
 # 256-token chunks (a 512-token chunk's attention scores alone are heads x 1 MB)
