@@ -34,7 +34,8 @@ def test_quick_cap_section_serves_in_a_cgroup_and_prints_its_row(tmp_path: Path)
     assert row["server"] == "flashserve" and row["OOM"] == "no", row
     assert _number(row["prompt tokens"]) >= 100
     assert _number(row["TTFT s"]) > 0 and _number(row["decode tok/s"]) > 0
-    assert 0 < _number(row["private MB"]) <= 400
+    assert 0 < _number(row["private MB"]) <= _number(row["peak private MB"]) <= 400
+    assert _number(row["turn-1 decode tok/s"]) > 0
     assert _number(row["experts MB"]) > 0
     assert _number(row["cgroup peak MB"]) <= 400
     # The next turn resends the prompt and the answer: it reuses more than the prompt.

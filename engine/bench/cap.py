@@ -9,13 +9,29 @@ the answer and one short turn. flashserve serves the prepared model with
 the GGUF with `--no-repack` (its default repacks weights into private memory,
 which a cap smaller than the model kills). Rounds are interleaved.
 
-Per run: time to first token, decode tokens/s, bytes read from disk per
-decoded token (/proc/PID/io), the disk's cold sequential read speed measured
-in the same run and the I/O bound it gives (speed / bytes per token), the
-expert cache's hit rate, private memory (RssAnon) and, for flashserve, the
-part besides resident weights, experts and KV (/memory), the group's peak
-(memory.max_usage_in_bytes: page cache included, so it reaches the cap),
-whether the kernel killed the server, and the next turn's time to first token.
+The model's weights are symmetric and its embeddings of unit scale
+(weights/gguf/synthetic.py says why), so it routes by token, nearly
+uniformly, as the issue's "random weights route uniformly" assumes.
+
+Per run:
+- turn 1: time to first token, then `--tokens` decoded under a logit bias
+  (EOS never, whole-word tokens favoured: text the next turn's prompt
+  tokenizes back into); its decode rate and hit rate are printed as
+  "turn-1", but the bias makes the output cycle through a few tokens, and
+  the routing with it;
+- the next turn: prompt + answer + one short turn, sent as the answer ends:
+  its time to first token and the tokens it reused;
+- decode: turn 1's prompt again (cached by both servers), `--tokens` sampled
+  at temperature 1 with EOS banned, which routes like free text: decode
+  tokens/s, bytes read from disk per token (/proc/PID/io), the expert
+  cache's hit rate, and the I/O bound: the disk's cold read speed measured
+  before the run (the better of one reader through the GGUF and random
+  expert-record reads by 4 and 8 readers) / those bytes.
+Also: private memory (RssAnon) after turn 1 and its peak (sampled every
+50 ms; the peak per phase is logged), and, for flashserve, the part besides
+resident weights, experts and KV (/memory); the group's peak
+(memory.max_usage_in_bytes: page cache included, so it reaches the cap);
+whether the kernel killed the server.
 
 Linux and root only (it creates the cgroups).
 """
@@ -32,7 +48,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -57,6 +75,7 @@ PROMPT_TOKENS = 615  # the issue's prompt
 NEXT_TURN = " And then what happened next? Tell me more."
 EOS_BIAS = -100
 WORD_BIAS = 30
+FREE_SEED = 0
 
 
 @dataclass
@@ -66,12 +85,15 @@ class CapRun:
     oom: bool
     prompt_tokens: int | None = None
     ttft_s: float | None = None
-    decode_tps: float | None = None
+    decode_tps: float | None = None  # the free decode (uniform routing), see _free_decode
     read_bytes_per_token: float | None = None
     disk_bytes_per_s: float = 0.0
     io_bound_tps: float | None = None
-    hit_rate: float | None = None
+    hit_rate: float | None = None  # the free decode's
+    biased_decode_tps: float | None = None  # turn 1's decode (logit bias: skewed routing)
+    biased_hit_rate: float | None = None
     private_bytes: int = 0
+    peak_private_bytes: int = 0  # RssAnon sampled every 50 ms over the whole run
     overhead_bytes: int | None = None  # flashserve: private - weights - experts - KV
     expert_cache_bytes: int | None = None
     cgroup_peak_bytes: int = 0
@@ -245,6 +267,7 @@ def _one_run(
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLASHSERVE_")}
     process = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env)
     client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=1800)
+    peak = _PeakSampler(process.pid)
     try:
         deadline = time.monotonic() + 1800
         while time.monotonic() < deadline and process.poll() is None:
@@ -259,25 +282,50 @@ def _one_run(
         if kind != "flashserve":
             body["ignore_eos"] = True
         body["stream_options"] = {"include_usage": True}
+        counts = _expert_counts(client) if kind == "flashserve" else None
+        peak.phase("turn 1")
         turn = _stream(client, process.pid, body)
         run.ttft_s = turn.ttft
         run.prompt_tokens = turn.prompt_tokens
-        run.decode_tps = (turn.tokens - 1) / turn.seconds if turn.seconds > 0 else None
-        run.read_bytes_per_token = turn.read_bytes / max(turn.tokens - 1, 1)
-        if run.read_bytes_per_token > 0:
-            run.io_bound_tps = speed / run.read_bytes_per_token
+        run.biased_decode_tps = _tps(turn)
         run.private_bytes = _private(process.pid)
         if kind == "flashserve":
             memory = client.get("/memory").json()
+            log.info(
+                "flashserve /memory after turn 1: %s",
+                {k: v for k, v in memory.items() if isinstance(v, int)},
+            )
             run.overhead_bytes = memory.get("overhead_bytes")
             run.expert_cache_bytes = memory.get("expert_cache_bytes")
-            stats = client.get("/cache/stats").json().get("since_start") or {}
-            run.hit_rate = stats.get("hit_rate")
+            run.biased_hit_rate = _hit_rate(counts, _expert_counts(client))
+        peak.phase("next turn")
         nxt = _stream(
             client, process.pid, {**body, "prompt": prompt + turn.text + NEXT_TURN, "max_tokens": 8}
         )
         run.next_ttft_s = nxt.ttft
         run.next_reused_tokens = nxt.cached
+        # Decode as a real model's routes it: the bias above makes the output cycle
+        # through a few word tokens, and routing with it, so the cache hits nearly
+        # always. Sampled free output (EOS banned) routes like free text; the
+        # prompt is turn 1's, cached by both servers, so this request is decode.
+        counts = _expert_counts(client) if kind == "flashserve" else None
+        peak.phase("free decode")
+        free = _stream(
+            client,
+            process.pid,
+            {
+                **body,
+                "temperature": 1.0,
+                "seed": FREE_SEED,
+                "logit_bias": {k: v for k, v in bias.items() if v == EOS_BIAS},
+            },
+        )
+        run.decode_tps = _tps(free)
+        run.read_bytes_per_token = free.read_bytes / max(free.tokens - 1, 1)
+        if run.read_bytes_per_token > 0:
+            run.io_bound_tps = speed / run.read_bytes_per_token
+        if kind == "flashserve":
+            run.hit_rate = _hit_rate(counts, _expert_counts(client))
     except (RuntimeError, httpx.HTTPError) as exc:
         run.error = str(exc)[:200]
     finally:
@@ -289,11 +337,98 @@ def _one_run(
             process.kill()
             process.wait()
         run.oom = run.oom or _oom_kills(group) > 0
+        run.peak_private_bytes = peak.stop()
+        log.info(
+            "%s round %d: peak private MB per phase: %s",
+            kind,
+            rnd,
+            {name: round(value / 1e6) for name, value in peak.phases.items()},
+        )
         run.cgroup_peak_bytes = int((group / "memory.max_usage_in_bytes").read_text())
         client.close()
         log_file.close()
         _remove(group)
     return run
+
+
+def disk_speed(gguf_path: Path, prepared: Path, record: int) -> tuple[float, float]:
+    """The disk's cold read speed, bytes/s: (one reader through the GGUF, as
+    llama-server's mmap reads ahead; `record`-sized reads at random places in the
+    expert files, the better of 4 and 8 readers, as the expert cache reads).
+    Measured before each run, after the page cache is dropped."""
+    sequential = measure_read_speed(gguf_path)
+    files = sorted((prepared / "experts").glob("*.safetensors"))
+    scattered = max(_random_reads(files, record, threads) for threads in (4, 8)) if files else 0.0
+    log.info(
+        "disk: %.2f GB/s one reader, %.2f GB/s random %.1f MB reads",
+        sequential / 1e9,
+        scattered / 1e9,
+        record / 1e6,
+    )
+    return sequential, scattered
+
+
+def _random_reads(files: list[Path], record: int, threads: int, total: int = 1 << 30) -> float:
+    rng = random.Random(threads)
+    sizes = [f.stat().st_size for f in files]
+    places = []
+    for _ in range(max(1, total // record)):
+        i = rng.randrange(len(files))
+        places.append((i, rng.randrange(max(1, sizes[i] - record))))
+    fds = [os.open(f, os.O_RDONLY) for f in files]
+    try:
+        for fd in fds:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        start = time.perf_counter()
+        with ThreadPoolExecutor(threads) as pool:
+            done = sum(pool.map(lambda p: len(os.pread(fds[p[0]], record, p[1])), places))
+        return done / max(time.perf_counter() - start, 1e-9)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _tps(turn: _Turn) -> float | None:
+    return (turn.tokens - 1) / turn.seconds if turn.seconds > 0 else None
+
+
+def _expert_counts(client: httpx.Client) -> tuple[int, int]:
+    """(hits, accesses) of the expert cache since the server started."""
+    stats = client.get("/cache/stats").json().get("since_start") or {}
+    hits = int(stats.get("hits") or 0)
+    return hits, hits + int(stats.get("prefetch_hits") or 0) + int(stats.get("misses") or 0)
+
+
+def _hit_rate(before: tuple[int, int] | None, after: tuple[int, int]) -> float | None:
+    hits, accesses = after[0] - (before or (0, 0))[0], after[1] - (before or (0, 0))[1]
+    return hits / accesses if accesses else None
+
+
+class _PeakSampler:
+    """The largest RssAnon of a process, sampled every 50 ms on a thread, overall
+    and per phase (`phase` names the one that starts now)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.peak = pid, 0
+        self.current = "load"
+        self.phases: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def phase(self, name: str) -> None:
+        self.current = name
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.05):
+            value = _private(self.pid)
+            self.peak = max(self.peak, value)
+            self.phases[self.current] = max(self.phases.get(self.current, 0), value)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
 
 
 def _oom_kills(group: Path) -> int:
@@ -322,14 +457,21 @@ def run(
         prepared = work_dir / f"cap-{gguf_path.stem}" / "prepared"
         if not (prepared / "manifest.json").exists():
             prepare(str(gguf_path), prepared, force=True)
-    speed = measure_read_speed(gguf_path)
     prompt, bias = _prompt(prepared, 100 if quick else PROMPT_TOKENS)
+    manifest = json.loads((prepared / "manifest.json").read_text())
+    record = max(
+        int(sw["record_bytes"])
+        for entry in manifest["layers"]
+        for sw in (entry.get("experts") or {}).get("switches", [])
+    )
     servers = [("flashserve", prepared)]
     if llama_server is not None:
         servers.append(("llama", gguf_path))
     runs: list[CapRun] = []
     for rnd in range(1, rounds + 1):
         for kind, path in servers:
+            sequential, scattered = disk_speed(gguf_path, prepared, record)
+            speed = max(sequential, scattered)
             result = _one_run(
                 kind,
                 path,
@@ -391,12 +533,15 @@ HEADER = [
     "OOM",
     "prompt tokens",
     "TTFT s",
+    "turn-1 decode tok/s",
+    "turn-1 hit rate",
     "decode tok/s",
     "MB read/token",
     "disk GB/s",
     "I/O bound tok/s",
     "hit rate",
     "private MB",
+    "peak private MB",
     "overhead MB",
     "experts MB",
     "cgroup peak MB",
@@ -412,12 +557,15 @@ def _cells(r: CapRun) -> list[object]:
         "yes" if r.oom else "no",
         r.prompt_tokens if r.prompt_tokens is not None else "-",
         _num(r.ttft_s, ".2f"),
+        _num(r.biased_decode_tps, ".2f"),
+        _num(r.biased_hit_rate, ".1%"),
         _num(r.decode_tps, ".2f"),
         _mb(r.read_bytes_per_token),
         f"{r.disk_bytes_per_s / 1e9:.2f}",
         _num(r.io_bound_tps, ".2f"),
         _num(r.hit_rate, ".1%"),
         _mb(r.private_bytes),
+        _mb(r.peak_private_bytes),
         _mb(r.overhead_bytes),
         _mb(r.expert_cache_bytes),
         _mb(r.cgroup_peak_bytes),

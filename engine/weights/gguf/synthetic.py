@@ -32,15 +32,25 @@ CAP_MOE = {
     "context": 4096,
 }
 QUICK_CAP_MOE = dict(CAP_MOE, hidden=512, layers=4, experts=16, top_k=4, moe_inter=256, heads=8)
-FORMAT = 2  # bumped when the file changes: a cached model of another format is rewritten
+FORMAT = 3  # bumped when the file changes: a cached model of another format is rewritten
 Q4_0_BLOCK, Q4_0_BYTES = 32, 18  # weights per block, bytes per block (f16 scale + nibbles)
 
 
 def _q4_0(rng: np.random.Generator, rows: int, cols: int) -> np.ndarray:
-    """Random Q4_0 blocks for a (rows, cols) matrix: uint8 (rows, cols / 32 * 18)."""
-    blocks = rng.integers(0, 256, (rows * cols // Q4_0_BLOCK, Q4_0_BYTES), dtype=np.uint8)
-    # |weight| <= 8 d: d ~ 0.02 / 8 keeps the weights near +-0.02, as trained ones are.
-    scale = rng.uniform(0.015, 0.025, len(blocks)) / 8
+    """Random Q4_0 blocks for a (rows, cols) matrix: uint8 (rows, cols / 32 * 18).
+
+    Nibbles run 1..15, so weights (nibble - 8) * d are symmetric around zero.
+    Uniform 0..15 would give every matrix a mean of -d / 2: a component along
+    the all-ones direction that grows layer by layer until every token's hidden
+    state points the same way and the router picks the same experts for every
+    token (measured: 8 distinct experts of 64 per layer past the first, where a
+    trained model routes by token).
+    """
+    blocks = np.empty((rows * cols // Q4_0_BLOCK, Q4_0_BYTES), dtype=np.uint8)
+    nibbles = rng.integers(1, 16, (len(blocks), Q4_0_BYTES - 2, 2), dtype=np.uint8)
+    blocks[:, 2:] = nibbles[..., 0] | (nibbles[..., 1] << 4)
+    # |weight| <= 7 d: d ~ 0.02 / 7 keeps the weights near +-0.02, as trained ones are.
+    scale = rng.uniform(0.015, 0.025, len(blocks)) / 7
     blocks[:, 0:2] = scale.astype(np.float16).view(np.uint8).reshape(-1, 2)
     return blocks.reshape(rows, cols // Q4_0_BLOCK * Q4_0_BYTES)
 
@@ -135,12 +145,16 @@ def write_moe_gguf(path: Path, shape: dict[str, int], seed: int = 0) -> Path:
         make = lambda: _q4_0(rng, max(experts, 1) * rows, cols)  # noqa: E731
         plan.append((name, dims, q4_0, make))
 
+    # Embeddings of unit scale: each layer adds an output of RMS ~0.3 to the
+    # residual stream, much of it common to every token (random attention
+    # averages the context); embeddings as small as the other weights drown in
+    # it after a layer, and the router then sees one direction for every token.
     plan.append(
         (
             "token_embd.weight",
             (vocab, h),
             f32,
-            lambda: (0.02 * rng.standard_normal((vocab, h))).astype(np.float32),
+            lambda: rng.standard_normal((vocab, h)).astype(np.float32),
         )
     )
     for i in range(shape["layers"]):
