@@ -167,6 +167,20 @@ def test_quick_bench_prints_every_section(tmp_path: Path) -> None:
         assert 0 < _number(row["read / one pass"]) <= 1.0, row
         if row["prompt tokens"] == "160":  # 5 chunks of 32
             assert _number(row["chunked read / one pass"]) > _number(row["read / one pass"]), row
+    major = [rows for t, rows in tables.items() if t.startswith("Expert-major prefill compute")]
+    assert len(major) == 1, proc.stdout
+    assert [(r["model"].split(",")[0], r["threads"] == "one thread") for r in major[0]] == [
+        ("expert-major", False),
+        ("expert-major", True),
+        ("every expert resident", False),
+        ("every expert resident", True),
+    ]
+    for row in major[0]:
+        assert _number(row["prompt tok/s"]) > 0 and _number(row["cores busy"]) > 0, row
+        assert _number(row["CPU spread"]) >= 1.0, row  # CPU time / the busiest thread's
+    assert re.search(
+        r"^  expert-major / resident, all cores, prompt tok/s: [0-9.]+x$", proc.stdout, re.M
+    )
     kept = [rows for t, rows in tables.items() if t.startswith("Expert cache (25%)")]
     assert len(kept) == 1 and _number(kept[0][0]["after / before"]) >= 0.95, proc.stdout
     assert len(re.findall(r"\(target (<=|>=) [0-9.]+x\) (met|MISSED)$", proc.stdout, re.M)) >= 7

@@ -107,6 +107,7 @@ def run(work_dir: Path, *, quick: bool = False) -> dict:
     from flashserve.engine.loader import load
 
     offload = prefill_offload.run(work_dir, quick=quick)
+    expert_major = prefill_offload.run_expert_major(work_dir, quick=quick)
 
     lengths = (16, 64) if quick else (32, 128, 512)
     repeats = 1 if quick else 3
@@ -152,7 +153,8 @@ def run(work_dir: Path, *, quick: bool = False) -> dict:
         rows,
     )
     keys = ("model", "prompt_tokens", "kernel_tokens_per_s", "blas_tokens_per_s", "speed_up")
-    return {"offload": offload, "kernel": [dict(zip(keys, r, strict=True)) for r in rows]}
+    kernel = [dict(zip(keys, r, strict=True)) for r in rows]
+    return {"offload": offload, "expert_major": expert_major, "kernel": kernel}
 
 
 COLD_TOKENS = 1066  # the measured prompt
