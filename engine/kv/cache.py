@@ -15,7 +15,11 @@ through `merge`, which QuantizedKVCache lacks. Here:
   mlx-lm's own left padding, filtering, extending and extracting apply to
   it unchanged; no padding or batch neighbour changes a row.
 
-Attention: mlx-lm's quantized SDPA on a GPU. On the CPU, MLX's quantized
+Attention: dequantize + float attention on every device. MLX's CUDA
+backend (mlx-cuda-13 0.32.4, an H100, 2026-11-27) has no quantized matmul
+for a prefill's shapes: mlx-lm's quantized SDPA failed every request with
+"[quantized_matmul] No implementation for problem shape: 39x39x64x4,
+transpose: true, activation: float32". On the CPU, MLX's quantized
 matmuls over a batch of heads are slow: one decode step's attention over
 1,000 cached positions (9 query heads, 3 KV heads of 64) took 6.3 ms a layer
 against 1.2 ms for dequantizing the keys and values and running the float
@@ -178,9 +182,6 @@ class QuantizedBatchKVCache(_BaseCache):
         return sum(p.nbytes for p in self.parts)
 
 
-_mlx_attention = mlx_base.quantized_scaled_dot_product_attention
-
-
 def _attention(
     queries: mx.array,
     q_keys: tuple[mx.array, mx.array, mx.array],
@@ -190,9 +191,7 @@ def _attention(
     group_size: int = 64,
     bits: int = 8,
 ) -> mx.array:
-    """mlx-lm's quantized SDPA, as dequantize + float attention on the CPU (why: above)."""
-    if mx.default_device() != mx.cpu:
-        return _mlx_attention(queries, q_keys, q_values, scale, mask, group_size, bits)
+    """mlx-lm's quantized SDPA, as dequantize + float attention (why: above)."""
     keys = _dequantize(q_keys, group_size, bits)
     values = _dequantize(q_values, group_size, bits)
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
