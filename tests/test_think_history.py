@@ -199,3 +199,25 @@ def test_a_template_that_shows_the_block_itself_gets_no_second_one(
         second = chat(server, [*ASK, turn, result], extra_body=OFF, tools=TOOLS)
     reused = first.usage.prompt_tokens + len(tokens(model, CALL)) + 1
     assert second.usage.prompt_tokens_details.cached_tokens == reused
+
+
+def test_anthropic_thinking_disabled_next_turn_reuses_prompt_and_answer(
+    warm: Server, qwen3_dir: Path
+) -> None:
+    """Messages API, thinking disabled (Claude Code's default): the same reuse."""
+    import anthropic
+
+    sdk = anthropic.Anthropic(base_url=warm.url, api_key="unused", max_retries=0, timeout=120.0)
+    body = {"temperature": 0, "thinking": {"type": "disabled"}}
+    question = [{"role": "user", "content": "Where is the Eiffel Tower?"}]
+    first = sdk.messages.create(
+        model=warm.model_id, max_tokens=48, messages=question, extra_body=body, **script(ANSWER)
+    )
+    assert first.content[0].text == ANSWER
+    history = [*question, {"role": "assistant", "content": ANSWER}, NEXT]
+    second = sdk.messages.create(
+        model=warm.model_id, max_tokens=4, messages=history, extra_body=body
+    )
+    prompt = first.usage.input_tokens + first.usage.cache_read_input_tokens
+    reused = prompt + len(tokens(qwen3_dir, ANSWER)) + 1
+    assert second.usage.cache_read_input_tokens == reused
