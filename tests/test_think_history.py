@@ -6,9 +6,11 @@ it (and without their reasoning): the next turn's tokens leave the stored
 prompt + answer at that block. `history_thinking` (server/chat/think_history.py)
 shows the turn as the model saw it. A tiny qwen3 model (mlx-lm's architecture)
 with Qwen3's real template, scripted where its answer must be a given text
-(tests/scripted.py), on real servers in this process; the openai SDK as client.
-Each second turn is greedy and must equal a cold server's (no prompt cache) for
-the same request.
+(tests/scripted.py), on real servers in this process; the openai and anthropic
+SDKs as clients. A second turn that reuses the first one's answer is greedy and
+must equal a cold server's (no prompt cache) for the same request, token for
+token. (A scripted answer's forward pass runs lazily, when its stored state is
+first used: the scripted logits do not depend on the model's.)
 """
 
 from __future__ import annotations
@@ -221,3 +223,22 @@ def test_anthropic_thinking_disabled_next_turn_reuses_prompt_and_answer(
     prompt = first.usage.input_tokens + first.usage.cache_read_input_tokens
     reused = prompt + len(tokens(qwen3_dir, ANSWER)) + 1
     assert second.usage.cache_read_input_tokens == reused
+
+
+def test_hybrid_model_reuses_prompt_and_answer(tmp_path: Path) -> None:
+    """qwen3_next's recurrent state cannot be trimmed: a stored state serves only
+    a prompt it is a whole prefix of. With the block dropped, neither the prompt's
+    state nor the answer's is one; with it kept, the answer's is."""
+    model = make_model_dir(tmp_path / "qwen3_next", "qwen3_next", chat_template=QWEN3)
+    answer = {"role": "assistant", "content": ANSWER}
+    with scripted_server(model, history_thinking="keep") as cold:
+        for setting, covers_answer in (("template", False), ("empty", True)):
+            with scripted_server(model, history_thinking=setting, **CACHE) as server:
+                first = chat(server, ASK, ANSWER, extra_body=OFF)
+                turn = [*ASK, answer, NEXT]
+                if covers_answer:
+                    second = second_turn(server, cold, turn, extra_body=OFF)
+                    reused = first.usage.prompt_tokens + len(tokens(model, ANSWER)) + 1
+                else:
+                    second, reused = chat(server, turn, extra_body=OFF), 0
+            assert second.usage.prompt_tokens_details.cached_tokens == reused, setting
