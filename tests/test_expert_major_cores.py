@@ -1,9 +1,10 @@
 """Expert-major prefill on every core is token-identical to the resident model (issue 46).
 
 An MoE whose experts are offloaded prefills expert-major (experts/prefill.py):
-each needed expert runs once on all of its token rows, its matmuls on
-flashserve's kernel, which splits a matmul of 256K weights x rows or more
-over its thread pool (compute/csrc/qmm_kernels.cpp). The tiny models here
+each needed expert runs once on all of its token rows, two experts at once
+on two MLX streams where there are two cores, their matmuls on flashserve's
+kernel, which splits a matmul of 256K weights x rows or more over its thread
+pool (compute/csrc/qmm_kernels.cpp). The tiny models here
 are wide enough (hidden 256, experts of 128) that a 64-token chunk's
 per-expert matmuls cross that threshold, so they run split over the cores.
 Greedy output through the real server must be the fully resident model's at
@@ -95,3 +96,45 @@ def test_expert_major_prefill_on_every_core_matches_resident(tmp_path: Path, arc
                 prepared, tmp_path / "one-core", "--expert-cache", "3", *chunks, cpus=one_core
             )
             assert got == expected, "one core"
+
+
+def test_two_experts_at_once_match_one_at_a_time_and_resident(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With two cores the prefill runs experts on two MLX streams (compute.expert_streams);
+    its tokens are those of one expert at a time (as before issue 46) and of resident."""
+    from flashserve.engine.experts import compute, prefill
+
+    from .test_prefill import _alone, _engine
+
+    source = make_model_dir(tmp_path / "src", "qwen3_moe", overrides=WIDE)
+    prepared = prepare(str(source), tmp_path / "prepared", expert_bits=4)
+    widths: list[int] = []
+    real = prefill.expert_streams
+
+    def watched() -> list:
+        streams = real()
+        widths.append(len(streams))
+        return streams
+
+    monkeypatch.setattr(prefill, "expert_streams", watched)
+    resident = _engine(prepared)
+    try:
+        expected = _alone(resident, PROMPTS, TOKENS)
+    finally:
+        resident.shutdown()
+    assert not widths  # every expert resident: no expert-major call
+    got = {}
+    for concurrent in (True, False):
+        compute.set_concurrent_experts(concurrent)
+        engine = _engine(prepared, expert_cache="3")
+        try:
+            widths.clear()
+            got[concurrent] = _alone(engine, PROMPTS, TOKENS)
+        finally:
+            engine.shutdown()
+            compute.set_concurrent_experts(True)
+        # Two streams where the kernel has two threads or more (one per core).
+        assert set(widths) == {min(2, len(os.sched_getaffinity(0))) if concurrent else 1}
+    assert got[True] == got[False] == expected
+    assert len(expected[0]) == TOKENS and expected[0] != expected[1]

@@ -11,6 +11,7 @@ experts and where their tensors come from).
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -136,6 +137,45 @@ def per_expert(
         outs.append(out.reshape(len(rows), -1))
         positions.append(rows * k + cols)
     return outs, positions
+
+
+class _Concurrent:
+    on = True  # two experts at once where expert_streams() allows; off: one (bench compares)
+    # The second stream, made once per thread: MLX's streams belong to the thread
+    # that made them (each engine's worker is a thread of its own).
+    local = threading.local()
+
+
+_concurrent = _Concurrent()
+
+
+def set_concurrent_experts(on: bool) -> None:
+    """A prefill's experts two at a time on two streams (the default), or one at a time
+    on the current stream, as before issue 46 (the bench compares both)."""
+    _concurrent.on = on
+
+
+def expert_streams() -> list[mx.Stream]:
+    """The MLX streams a prefill runs its experts on, one expert per stream at a time.
+
+    On flashserve's kernel with two cores or more: the current stream and a
+    second CPU stream, each computing on its own thread. Two experts then run
+    at once, each whole (the gathers, SwiGLU and copies between the matmuls
+    included, which the kernel's pool does not split), and neither waits on
+    the other between its matmuls. A row's arithmetic is the same on any
+    thread, so the output is too. Else only the current stream.
+    """
+    current = mx.default_stream(mx.default_device())
+    ext = qmm.extension()
+    # The kernel's thread count: one thread (the bench's one_thread) means one stream.
+    if not (_concurrent.on and qmm.active() and ext is not None and current.device == mx.cpu):
+        return [current]
+    if ext.threads() < 2:
+        return [current]
+    second = getattr(_concurrent.local, "stream", None)
+    if second is None:
+        second = _concurrent.local.stream = mx.new_stream(mx.cpu)
+    return [current, second]
 
 
 def listable(info: OffloadLayer, x: mx.array) -> bool:

@@ -13,7 +13,14 @@ every chunk of the prompts being prefilled) runs expert by expert instead:
   disk) with `window` reads in flight, each run on all of its tokens as soon
   as its read lands, its output evaluated, and its buffer then either kept in
   the cache, if the cache has free room (a cold start fills up; nothing is
-  ever evicted for a prefill), or recycled for the next read.
+  ever evicted for a prefill), or recycled for the next read;
+* on flashserve's kernel with two cores or more, experts run two at a time,
+  each on its own MLX stream (compute.expert_streams): a landed read is
+  paired with the next one if that has landed too, and cached experts
+  alternate. Each expert's small ops between its matmuls (gathers, SwiGLU,
+  copies), which the kernel's pool does not split, then run beside the other
+  expert's work (issue 46: the prefill's critical path was its stream
+  thread).
 
 Memory: `window` records in flight plus the call's outputs (tokens x top-k
 rows). The arithmetic is the decode path's (experts/compute.py, one expert
@@ -36,7 +43,7 @@ import mlx.core as mx
 import numpy as np
 
 from flashserve.engine.experts.cache import ExpertCache
-from flashserve.engine.experts.compute import OffloadLayer, per_expert
+from flashserve.engine.experts.compute import OffloadLayer, expert_streams, per_expert
 from flashserve.engine.experts.stats import (
     BLOCKED_SECONDS,
     BYTES_READ,
@@ -91,28 +98,41 @@ def expert_major(
     reads = len(missing)
     start = time.perf_counter()
     top_up()  # reads start first: they overlap the cached experts' compute
+    streams = expert_streams()
     try:
-        for e in cached:
+        for i, e in enumerate(cached):
             tensors = cache.peek((layer, e)).tensors
-            o, p = per_expert(info, x2, flat, np.array([e]), {e: tensors})
+            with mx.stream(streams[i % len(streams)]):
+                o, p = per_expert(info, x2, flat, np.array([e]), {e: tensors})
             outs += o
             positions += p
         while in_flight:
-            e, future = in_flight.popleft()
-            waited = time.perf_counter()
-            result = future.result()  # ExpertReadError names the layer and expert
-            blocked += time.perf_counter() - waited
+            batch = [in_flight.popleft()]
+            # A second expert only if its read has landed: waiting for it would stall the first.
+            while len(batch) < len(streams) and in_flight and in_flight[0][1].done():
+                batch.append(in_flight.popleft())
+            landed = []
+            for e, future in batch:
+                waited = time.perf_counter()
+                result = future.result()  # ExpertReadError names the layer and expert
+                blocked += time.perf_counter() - waited
+                landed.append((e, result))
             top_up()
-            tensors = store.tensors(layer, result.buffer)
-            o, p = per_expert(info, x2, flat, np.array([e]), {e: tensors})
-            mx.eval(o)  # done with the record: it can be kept, or read into again
-            outs += o
-            positions += p
-            if cache.has_room(nbytes):
-                cache.insert((layer, e), CachedExpert(result.buffer, tensors), nbytes)
-                stats.resident(layer, 1, nbytes)
-            else:
-                store.recycle(result.buffer)
+            ran = []
+            for stream, (e, result) in zip(streams, landed, strict=False):
+                tensors = store.tensors(layer, result.buffer)
+                with mx.stream(stream):
+                    o, p = per_expert(info, x2, flat, np.array([e]), {e: tensors})
+                ran.append((e, result, tensors, o))
+                outs += o
+                positions += p
+            mx.eval([o for *_, o in ran])  # done with the records: kept, or read into again
+            for e, result, tensors, _ in ran:
+                if cache.has_room(nbytes):
+                    cache.insert((layer, e), CachedExpert(result.buffer, tensors), nbytes)
+                    stats.resident(layer, 1, nbytes)
+                else:
+                    store.recycle(result.buffer)
     except BaseException:
         for _, future in in_flight:
             future.cancel()
