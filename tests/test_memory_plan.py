@@ -88,6 +88,34 @@ def test_a_configured_layer_count_is_kept() -> None:
     assert plan.stream_buffer_bytes == 3 * 10 * MB  # (prefetch depth 2 + 1) x the largest
 
 
+def test_next_layer_prefetch_is_turned_off_under_the_plan() -> None:
+    """Its reads are not bounded by the plan (a cap-bench run with it on was
+    OOM-killed): the plan turns it off and says so."""
+    import mlx.core as mx
+
+    from flashserve.engine.config import EngineConfig
+    from flashserve.engine.streaming.memplan import apply_memory_plan
+
+    switch = {"num_experts": 64, "record_bytes": 3 * MB}
+    manifest = {"layers": [{"experts": {"switches": [switch]}} for _ in range(4)]}
+    config = EngineConfig(model="x", expert_cache="auto", expert_prefetch="next-layer")
+    limit = mx.set_cache_limit(0)
+    try:
+        plan = apply_memory_plan(
+            config,
+            manifest,
+            {"num_experts_per_tok": 8},
+            layer_bytes=[10 * MB] * 4,
+            kv_bytes_per_token=1024,
+            context_length=2048,
+            activations=lambda: 0,
+        )
+    finally:
+        mx.set_cache_limit(limit)
+    assert config.expert_prefetch == "none"
+    assert any("expert prefetch 'next-layer' turned off" in r for r in plan.reasons)
+
+
 CAP = 400 * MB
 
 

@@ -348,6 +348,15 @@ def apply_memory_plan(
             f"limit under {fmt_bytes(SMALL_LIMIT)}: prefill chunks of {config.prefill_step_size} "
             f"tokens, {config.expert_threads} expert I/O threads"
         )
+    if config.expert_prefetch != "none":
+        # Measured: the 3 GB MoE under a 1.2 GB cap with next-layer prefetch was
+        # OOM-killed in its first free decode, its private memory ~110 MB over the
+        # plan's even with 4 x top-k more records reserved for the reads.
+        plan.reasons.append(
+            f"expert prefetch {config.expert_prefetch!r} turned off: its memory is not "
+            "bounded by the plan yet"
+        )
+        config.expert_prefetch = "none"
     config.expert_cache = f"{plan.expert_cache_bytes}B"
     config.resident_layers = plan.resident_layers
     config.memory_budget = None
