@@ -168,3 +168,38 @@ def test_auto_plan_under_a_cgroup_limit_serves_within_it(tmp_path_factory, tmp_p
         if server is not None:
             stop_server(server)
         _remove_group(group)
+
+
+def test_a_lent_prefill_room_holds_a_group_of_half_the_expert_cache(monkeypatch) -> None:
+    """Each group of a layer-major prefill reads every expert once: with the room
+    lent, a group may hold hidden states up to half the expert cache, not 4% of
+    the limit (which cut a 632-token prompt into three groups under 1.2 GB)."""
+    import mlx.core as mx
+
+    from flashserve.engine.config import EngineConfig
+    from flashserve.engine.streaming import memplan
+    from flashserve.engine.streaming.memory import SystemMemory
+
+    monkeypatch.setattr(
+        memplan, "system_memory", lambda: SystemMemory(1200 * MB, 1100 * MB, "cgroup v1 /x")
+    )
+    switch = {"num_experts": 64, "record_bytes": 3 * MB}
+    manifest = {"layers": [{"experts": {"switches": [switch]}} for _ in range(16)]}
+    config = EngineConfig(model="x", expert_cache="auto")
+    limit = mx.set_cache_limit(0)
+    try:
+        plan = memplan.apply_memory_plan(
+            config,
+            manifest,
+            {"num_experts_per_tok": 8},
+            layer_bytes=[10 * MB] * 16,
+            kv_bytes_per_token=64 * 1024,
+            context_length=4096,
+            activations=lambda: 40 * MB,
+        )
+    finally:
+        mx.set_cache_limit(limit)
+    assert plan.expert_cache_bytes < 16 * 64 * 3 * MB  # the experts do not all fit: lent
+    assert config.prefill_group_bytes == plan.expert_cache_bytes // 2
+    assert plan.prefill_reserve_bytes == 40 * MB + config.prefill_group_bytes
+    assert any("half the expert cache" in r for r in plan.reasons)

@@ -315,6 +315,7 @@ class ExpertCache:
         # capacity a prefill borrows for its activations, and what is held now
         # (experts/prefill.py hold_room); inserts keep `held` bytes free.
         self.prefill_room = 0
+        self.chunk_activation_bytes = 0  # of the room: one prefill chunk's activations
         self.state_bytes_per_token = 0  # KV (or state) per token: a hit's copies
         self.held = 0
         # layer -> changes to its keys or values: lists built over a layer's

@@ -151,16 +151,16 @@ def expert_major(
     return outs, positions
 
 
-def hold_room(offload: Any, tokens: int, chunk_tokens: int, reused: int = 0) -> int:
+def hold_room(offload: Any, tokens: int, chunk_tokens: int, reused: int = 0, held: int = 0) -> int:
     """Free the expert cache's prefill room for a prefill of `tokens` prompt tokens
-    that starts from `reused` tokens of stored state (a prompt-cache hit).
+    that starts from `reused` tokens of stored state (a prompt-cache hit) and
+    holds `held` bytes of hidden states across its chunks.
 
     `offload` is the model's experts.offload.ExpertOffload. The room is what a
-    prefill holds only while it runs: the plan's activations
-    (`cache.prefill_room`, sized for a full chunk and group) scaled by
-    tokens / chunk_tokens up to all of it, as a chunk's activations and the
-    held hidden states grow with the tokens; and two copies of the reused
-    state (`cache.state_bytes_per_token` each token): the private copy a hit
+    prefill holds only while it runs, at most the plan's (`cache.prefill_room`):
+    a chunk's activations (`cache.chunk_activation_bytes`, scaled by
+    tokens / chunk_tokens up to all of it) and the held hidden states; and two
+    copies of the reused state (`cache.state_bytes_per_token` each token): the private copy a hit
     hands the prefill while the stored entry stays, and the state stored when
     the prefill ends, until it replaces that entry. Evicts the policy's
     victims until that much of the capacity is free (never below two records
@@ -169,9 +169,10 @@ def hold_room(offload: Any, tokens: int, chunk_tokens: int, reused: int = 0) -> 
     the bytes evicted. A cache that holds every expert lends nothing.
     """
     cache: ExpertCache = offload.cache
-    room = int(cache.prefill_room * min(1.0, tokens / max(chunk_tokens, 1)))
-    if cache.prefill_room > 0:
-        room += 2 * reused * cache.state_bytes_per_token
+    if cache.prefill_room <= 0:
+        return 0
+    chunk = cache.chunk_activation_bytes * min(1.0, tokens / max(chunk_tokens, 1))
+    room = int(min(cache.prefill_room, chunk + held)) + 2 * reused * cache.state_bytes_per_token
     if cache.capacity.nbytes is not None:
         keep = 2 * max(i.top_k for i in offload.layers.values()) * max(offload.nbytes.values())
         room = min(room, max(0, cache.capacity.nbytes - keep))

@@ -198,7 +198,8 @@ class LayerMajorPrefill:
             for c in chunks:
                 starts[id(c.job)] = min(starts.get(id(c.job), c.start), c.start)
             tokens = sum(len(c.tokens) for c in chunks)
-            hold_room(self.experts, tokens, self.chunk_tokens, sum(starts.values()))
+            held = tokens * self.bytes_per_token
+            hold_room(self.experts, tokens, self.chunk_tokens, sum(starts.values()), held)
         try:
             self._start(chunks)
             for index in range(len(gates)):

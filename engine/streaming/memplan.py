@@ -348,6 +348,25 @@ def apply_memory_plan(
             f"limit under {fmt_bytes(SMALL_LIMIT)}: prefill chunks of {config.prefill_step_size} "
             f"tokens, {config.expert_threads} expert I/O threads"
         )
+    if plan.prefill_reserve_bytes > 0:
+        # Lent, the held hidden states may take up to half the expert cache: each
+        # group of chunks reads every expert of a layer once, and 4% of a 1.2 GB
+        # cap (48 MB) cut a 632-token prompt into three groups: 7.5 GB read for
+        # 2.8 GB of experts. Evicted experts cost a read each in decode.
+        chunk = activations()
+        wider = min(
+            int(config.prefill_group_bytes),
+            max(group, plan.expert_cache_bytes // 2),
+            plan.expert_cache_bytes - 2 * shape.top_k * shape.record_bytes - chunk,
+        )
+        if wider > group:
+            group = wider
+            plan.prefill_reserve_bytes = chunk + group
+            plan.reasons.append(
+                f"a layer-major prefill holds up to {fmt_bytes(group)} of hidden states (half "
+                "the expert cache, lent while it runs): each group of chunks reads every "
+                "expert once"
+            )
     if config.expert_prefetch != "none":
         # Measured: the 3 GB MoE under a 1.2 GB cap with next-layer prefetch was
         # OOM-killed in its first free decode, its private memory ~110 MB over the

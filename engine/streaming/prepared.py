@@ -271,6 +271,7 @@ def load_prepared(path: Path, config: EngineConfig) -> LoadedModel:
         memory_plan = getattr(streamer, "memory_plan", None)
         if memory_plan is not None:
             experts.cache.prefill_room = memory_plan.prefill_reserve_bytes
+            experts.cache.chunk_activation_bytes = activation_bytes(model_config, config)
             experts.cache.state_bytes_per_token = kv_per_token
     try:
         tokenizer = load_tokenizer(root, eos_token_ids=model_config.get("eos_token_id"))
