@@ -365,7 +365,7 @@ def apply_memory_plan(
             plan.reasons.append(
                 f"a layer-major prefill holds up to {fmt_bytes(group)} of hidden states (half "
                 "the expert cache, lent while it runs): each group of chunks reads every "
-                "expert once"
+                f"expert once; the prefill room is {fmt_bytes(plan.prefill_reserve_bytes)}"
             )
     if config.expert_prefetch != "none":
         # Measured: the 3 GB MoE under a 1.2 GB cap with next-layer prefetch was
