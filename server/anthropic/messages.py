@@ -17,7 +17,6 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from fastapi import Request
-from sse_starlette import EventSourceResponse
 
 from flashserve.engine.generation.requests import LogitsProcessor
 from flashserve.engine.generation.worker import Engine
@@ -60,6 +59,7 @@ from flashserve.server.chat.conversation import (
 from flashserve.server.chat.pipeline import ChatTurn, render_chat, start_chat
 from flashserve.server.generation import Generation, cancel_on_disconnect, with_keepalive
 from flashserve.server.http.errors import SERVER_ERROR, APIError
+from flashserve.server.http.sse import EventStream
 
 log = logging.getLogger(__name__)
 
@@ -240,7 +240,7 @@ async def create_message(
     options: ChatOptions,
     vocab_size: int,
     extra_processors: Sequence[LogitsProcessor] = (),
-) -> Message | EventSourceResponse:
+) -> Message | EventStream:
     message_id = new_message_id()
     turn = await start_chat(
         chat_request(body, vocab_size),
@@ -254,7 +254,7 @@ async def create_message(
     start = Message(id=message_id, model=loaded.model_id, content=[], usage=_start_usage(turn))
     if body.stream:
         events = _stream(turn, start, options.stream_keepalive)
-        return EventSourceResponse(sse(turn.generation, events, request.url.path), sep="\n")
+        return EventStream(sse(turn.generation, events, request.url.path))
     assembler = BlockAssembler()
     finished: Finished | None = None
     async with cancel_on_disconnect(request, turn.generation):

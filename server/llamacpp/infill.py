@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
-from sse_starlette import EventSourceResponse
 
 from flashserve.engine.generation.requests import (
     DoneEvent,
@@ -38,6 +37,7 @@ from flashserve.server.generation import (
     sse_events,
     submit,
 )
+from flashserve.server.http.sse import EventStream
 from flashserve.server.llamacpp.protocol import (
     DEFAULT_MIN_P,
     DEFAULT_TEMPERATURE,
@@ -67,7 +67,7 @@ async def create_infill(
     engine: Engine,
     options: InfillOptions,
     extra_processors: list[LogitsProcessor] | None = None,
-) -> InfillResponse | EventSourceResponse:
+) -> InfillResponse | EventStream:
     # Encoding is CPU work: on a render thread, within template_timeout (chat/prompts.py).
     # Room for the prompt: the context less what the fill may take (at most a quarter).
     wanted = body.n_predict if body.n_predict > 0 else options.default_max_tokens
@@ -107,7 +107,7 @@ async def create_infill(
     )
     if body.stream:
         chunks = _stream(generation, answer)
-        return EventSourceResponse(sse_events(generation, chunks, done=False), sep="\n")
+        return EventStream(sse_events(generation, chunks, done=False))
     parts: list[str] = []
     async with cancel_on_disconnect(request, generation):
         async for piece in generation.pieces():

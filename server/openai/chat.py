@@ -14,7 +14,6 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from fastapi import Request
-from sse_starlette import EventSourceResponse
 
 from flashserve.engine.generation.requests import LogitsProcessor, TokenEvent
 from flashserve.engine.generation.worker import Engine
@@ -38,6 +37,7 @@ from flashserve.server.generation import (
     with_keepalive,
 )
 from flashserve.server.http.errors import invalid_request
+from flashserve.server.http.sse import EventStream
 from flashserve.server.openai.common import choice_count, sampling_params, usage
 from flashserve.server.openai.logprobs import TokenStrings, chat_logprobs, token_strings
 from flashserve.server.openai.protocol import (
@@ -111,7 +111,7 @@ async def create_chat_completion(
     options: ChatOptions,
     vocab_size: int,
     extra_processors: Sequence[LogitsProcessor] = (),
-) -> ChatCompletion | EventSourceResponse:
+) -> ChatCompletion | EventStream:
     completion_id = new_id("chatcmpl")
     chat = chat_request(body, vocab_size, engine.config.max_batch)
     turn = await start_chat(
@@ -127,7 +127,7 @@ async def create_chat_completion(
     strings = token_strings(loaded.tokenizer)
     if body.stream:
         chunks = _stream(turn, header, chat.n, strings, body.include_usage, options)
-        return EventSourceResponse(sse_events(turn.generation, chunks), sep="\n")
+        return EventStream(sse_events(turn.generation, chunks))
     builders = [MessageBuilder(strings) for _ in range(chat.n)]
     async with cancel_on_disconnect(request, turn.generation):
         async for choice in turn.choice_events():

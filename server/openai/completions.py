@@ -13,7 +13,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from sse_starlette import EventSourceResponse
 
 from flashserve.engine.generation.requests import GenerationRequest, PromptLogprobsEvent
 from flashserve.engine.generation.worker import Engine
@@ -33,6 +32,7 @@ from flashserve.server.generation import (
     with_keepalive,
 )
 from flashserve.server.http.errors import invalid_request
+from flashserve.server.http.sse import EventStream
 from flashserve.server.openai.common import choice_count, sampling_params, usage
 from flashserve.server.openai.completions_protocol import (
     Completion,
@@ -53,7 +53,7 @@ async def create_completion(
     vocab_size: int,
     limits: PromptLimits | None = None,
     keepalive: float = 0.0,
-) -> Completion | EventSourceResponse:
+) -> Completion | EventStream:
     n = choice_count(body, engine.config.max_batch)
     if body.max_tokens == 0 and not body.echo:
         raise invalid_request(
@@ -96,12 +96,11 @@ async def create_completion(
     )
     choices = _Choices(n, echoed if body.echo else None, loaded.tokenizer, body.logprobs)
     if body.stream:
-        return EventSourceResponse(
+        return EventStream(
             sse_events(
                 generation,
                 _stream(generation, completion, choices, body.include_usage, keepalive),
-            ),
-            sep="\n",
+            )
         )
     async with cancel_on_disconnect(request, generation):
         parts = [choices.piece(piece) async for piece in generation.choice_pieces()]

@@ -19,7 +19,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 from fastapi import Request
-from sse_starlette import EventSourceResponse
 
 from flashserve.engine.generation.requests import LogitsProcessor
 from flashserve.engine.generation.worker import Engine
@@ -37,6 +36,7 @@ from flashserve.server.chat.pipeline import ChatTurn, start_chat
 from flashserve.server.chat.prompts import encode
 from flashserve.server.generation import cancel_on_disconnect, now, with_keepalive
 from flashserve.server.http.errors import SERVER_ERROR, APIError
+from flashserve.server.http.sse import EventStream
 from flashserve.server.openai.common import DEFAULT_TEMPERATURE
 from flashserve.server.openai.response_store import ResponseStore
 from flashserve.server.openai.responses_input import ResponsesInput, chat_request
@@ -106,7 +106,7 @@ async def create_response(
     vocab_size: int,
     store: ResponseStore,
     extra_processors: Sequence[LogitsProcessor] = (),
-) -> ResponseObject | EventSourceResponse:
+) -> ResponseObject | EventStream:
     prior: list[dict[str, Any]] = []
     if body.previous_response_id is not None:
         stored = await store.get(body.previous_response_id)
@@ -137,7 +137,7 @@ async def create_response(
 
     if body.stream:
         events = _stream(turn, base, assembler, finish, options.stream_keepalive)
-        return EventSourceResponse(events, sep="\n")
+        return EventStream(events)
     async with cancel_on_disconnect(request, turn.generation):
         try:
             async for event in turn.events():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
-from sse_starlette import EventSourceResponse
 
 from flashserve.server.chat.conversation import ChatOptions
 from flashserve.server.chat.prompts import prompt_limits
@@ -17,6 +16,7 @@ from flashserve.server.http.deps import (
 )
 from flashserve.server.http.errors import error_responses
 from flashserve.server.http.openapi import event_stream
+from flashserve.server.http.sse import EventStream
 from flashserve.server.openai.chat import create_chat_completion
 from flashserve.server.openai.protocol import (
     ChatCompletion,
@@ -40,7 +40,7 @@ async def chat_completions(
     engine: EngineDep,
     settings: SettingsDep,
     extra_processors: ExtraProcessors,
-) -> ChatCompletion | EventSourceResponse:
+) -> ChatCompletion | EventStream:
     check_model(body.model, loaded, settings)
     return await create_chat_completion(
         body,

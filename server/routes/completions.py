@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
-from sse_starlette import EventSourceResponse
 
 from flashserve.server.chat.prompts import prompt_limits
 from flashserve.server.http.deps import EngineDep, ReadyModel, SettingsDep, check_model, vocab_size
 from flashserve.server.http.errors import error_responses
 from flashserve.server.http.openapi import event_stream
+from flashserve.server.http.sse import EventStream
 from flashserve.server.openai.completions import create_completion
 from flashserve.server.openai.completions_protocol import Completion, CompletionRequest
 
@@ -26,7 +26,7 @@ async def completions(
     loaded: ReadyModel,
     engine: EngineDep,
     settings: SettingsDep,
-) -> Completion | EventSourceResponse:
+) -> Completion | EventStream:
     check_model(body.model, loaded, settings)
     return await create_completion(
         body,

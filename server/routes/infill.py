@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
-from sse_starlette import EventSourceResponse
 
 from flashserve.server.chat.prompts import prompt_limits
 from flashserve.server.http.deps import (
@@ -15,6 +14,7 @@ from flashserve.server.http.deps import (
 )
 from flashserve.server.http.errors import error_responses
 from flashserve.server.http.openapi import event_stream
+from flashserve.server.http.sse import EventStream
 from flashserve.server.llamacpp.infill import InfillOptions, create_infill
 from flashserve.server.llamacpp.protocol import InfillChunk, InfillRequest, InfillResponse
 
@@ -36,7 +36,7 @@ async def infill(
     engine: EngineDep,
     settings: SettingsDep,
     extra_processors: ExtraProcessors,
-) -> InfillResponse | EventSourceResponse:
+) -> InfillResponse | EventStream:
     # No `model` field: llama-server serves one model, and so does this server.
     options = InfillOptions(
         settings.default_max_tokens, vocab_size(loaded), prompt_limits(settings)

@@ -7,7 +7,6 @@ the shape by path, for the routes' errors and the middleware's alike.
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
-from sse_starlette import EventSourceResponse
 
 from flashserve.server.anthropic.messages import count_tokens, create_message
 from flashserve.server.anthropic.protocol import (
@@ -34,6 +33,7 @@ from flashserve.server.http.deps import (
 from flashserve.server.http.errors import AnthropicErrorResponse, error_responses
 from flashserve.server.http.ignored import note_ignored
 from flashserve.server.http.openapi import event_stream
+from flashserve.server.http.sse import EventStream
 from flashserve.server.routes.chat import chat_options
 
 router = APIRouter(tags=["messages"])
@@ -73,7 +73,7 @@ async def messages(
     engine: EngineDep,
     settings: SettingsDep,
     extra_processors: ExtraProcessors,
-) -> Message | EventSourceResponse:
+) -> Message | EventStream:
     check_model(body.model, loaded, settings)
     note_betas(request.headers.get("anthropic-beta"))
     return await create_message(

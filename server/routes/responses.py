@@ -6,7 +6,6 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
-from sse_starlette import EventSourceResponse
 
 from flashserve.server.http.deps import (
     EngineDep,
@@ -18,6 +17,7 @@ from flashserve.server.http.deps import (
 )
 from flashserve.server.http.errors import error_responses
 from flashserve.server.http.openapi import event_stream
+from flashserve.server.http.sse import EventStream
 from flashserve.server.openai.response_store import ResponseStore
 from flashserve.server.openai.responses import create_response, not_found
 from flashserve.server.openai.responses_protocol import (
@@ -80,7 +80,7 @@ async def create(
     settings: SettingsDep,
     store: StoreDep,
     extra_processors: ExtraProcessors,
-) -> ResponseObject | EventSourceResponse:
+) -> ResponseObject | EventStream:
     check_model(body.model, loaded, settings)
     return await create_response(
         body,
