@@ -195,8 +195,12 @@ def test_a_prefill_borrows_the_plans_room_and_decode_fills_it_back(
 ):
     """The memory plan's prefill room (streaming/memplan.py): a prefill evicts experts
     until the room is free and keeps it free while it runs; decode then fills the
-    cache to its whole capacity again, and the output stays the resident model's."""
+    cache to its whole capacity again, and the output stays the resident model's.
+    While it runs glibc's arenas serve its large blocks (compute/heap.py)."""
+    from flashserve.engine.compute import heap
     from flashserve.engine.experts import offload
+
+    monkeypatch.setattr(heap, "_fixed", heap.MMAP_THRESHOLD)  # as the plan sets it
 
     prepared = _prepared(cache_arch_dirs, tmp_path, "qwen3_moe")
     resident = _engine(prepared)
@@ -220,8 +224,11 @@ def test_a_prefill_borrows_the_plans_room_and_decode_fills_it_back(
         seen: list[tuple[int, int]] = []
         real = offload.expert_major
 
+        raised: list[bool] = []
+
         def watched(*args, **kwargs):
             seen.append((cache.nbytes, cache.held))
+            raised.append(heap._raised)
             out = real(*args, **kwargs)
             seen.append((cache.nbytes, cache.held))
             return out
@@ -237,6 +244,7 @@ def test_a_prefill_borrows_the_plans_room_and_decode_fills_it_back(
         room = 3 * record + 2 * 6 * (record // 1000)
         assert all(held == room and n + held <= 8 * record for n, held in seen), seen
         assert cache.held == 0  # given back when the prefill ended
+        assert raised and all(raised) and not heap._raised  # and the plan's threshold
         assert cache.nbytes == 8 * record  # and decode filled the cache again
         assert got == expected
         # The next turn starts from LONG's stored state: its few new tokens need

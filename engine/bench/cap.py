@@ -50,7 +50,6 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -59,7 +58,11 @@ import httpx
 
 from flashserve.engine.bench.common import print_table
 from flashserve.engine.experts.cache import Capacity
-from flashserve.engine.streaming.diskio import drop_page_cache, measure_read_speed
+from flashserve.engine.streaming.diskio import (
+    drop_page_cache,
+    measure_read_speed,
+    random_read_speed,
+)
 from flashserve.engine.weights.gguf.synthetic import CAP_MOE, FORMAT, QUICK_CAP_MOE, write_moe_gguf
 from flashserve.engine.weights.layout import is_current
 from flashserve.engine.weights.prepare import prepare
@@ -354,11 +357,19 @@ def _one_run(
 def disk_speed(gguf_path: Path, prepared: Path, record: int) -> tuple[float, float]:
     """The disk's cold read speed, bytes/s: (one reader through the GGUF, as
     llama-server's mmap reads ahead; `record`-sized reads at random places in the
-    expert files, the better of 4 and 8 readers, as the expert cache reads).
-    Measured before each run, after the page cache is dropped."""
+    expert files, the best of 4 and 8 readers through the page cache and around
+    it, as the expert cache reads). Measured before each run, after the page
+    cache is dropped."""
     sequential = measure_read_speed(gguf_path)
     files = sorted((prepared / "experts").glob("*.safetensors"))
-    scattered = max(_random_reads(files, record, threads) for threads in (4, 8)) if files else 0.0
+    scattered = max(
+        (
+            random_read_speed(files, record, threads, direct=direct)
+            for threads in (4, 8)
+            for direct in (False, True)
+        ),
+        default=0.0,
+    )
     log.info(
         "disk: %.2f GB/s one reader, %.2f GB/s random %.1f MB reads",
         sequential / 1e9,
@@ -366,26 +377,6 @@ def disk_speed(gguf_path: Path, prepared: Path, record: int) -> tuple[float, flo
         record / 1e6,
     )
     return sequential, scattered
-
-
-def _random_reads(files: list[Path], record: int, threads: int, total: int = 1 << 30) -> float:
-    rng = random.Random(threads)
-    sizes = [f.stat().st_size for f in files]
-    places = []
-    for _ in range(max(1, total // record)):
-        i = rng.randrange(len(files))
-        places.append((i, rng.randrange(max(1, sizes[i] - record))))
-    fds = [os.open(f, os.O_RDONLY) for f in files]
-    try:
-        for fd in fds:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        start = time.perf_counter()
-        with ThreadPoolExecutor(threads) as pool:
-            done = sum(pool.map(lambda p: len(os.pread(fds[p[0]], record, p[1])), places))
-        return done / max(time.perf_counter() - start, 1e-9)
-    finally:
-        for fd in fds:
-            os.close(fd)
 
 
 def _tps(turn: _Turn) -> float | None:

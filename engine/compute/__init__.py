@@ -9,6 +9,8 @@
                    (csrc/, the compiled `_qmm`), MLX's kernel where it cannot run.
 - `step_ops`      RMSNorm, RoPE, decode attention, SwiGLU and log-sum-exp as
                    one CPU op each (the same extension) while the fast path is on.
+- `heap`           glibc's mmap threshold: fixed under the memory plan, raised
+                   while a lent prefill runs.
 - `half_scales`    quantized embeddings with float16 scales give float32 rows
                    (a GGUF's exact float16 scales under float32 compute).
 """

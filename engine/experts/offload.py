@@ -372,7 +372,7 @@ class ExpertOffload:
                 waited = time.perf_counter()
                 result = fut.result()  # ExpertReadError names the layer and expert
                 counts[BLOCKED_SECONDS] += time.perf_counter() - waited
-                tensors = self.store.tensors(layer, result.buffer)
+                tensors = self.store.tensors(layer, result.record)
                 weights[key[1]] = tensors
                 fresh.append((key, CachedExpert(result.buffer, tensors), result.nbytes))
         except BaseException:
@@ -542,7 +542,7 @@ class ExpertOffload:
             keys = todo[i : i + batch]
             results = [f.result() for f in self.store.submit_many(keys)]
             for key, result in zip(keys, results, strict=True):
-                tensors = self.store.tensors(key[0], result.buffer)
+                tensors = self.store.tensors(key[0], result.record)
                 mx.eval(tensors)
                 self.cache.insert(key, CachedExpert(result.buffer, tensors), result.nbytes)
                 self.stats.resident(key[0], 1, result.nbytes)

@@ -42,6 +42,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from flashserve.engine.compute import heap
 from flashserve.engine.experts.cache import ExpertCache
 from flashserve.engine.experts.compute import OffloadLayer, expert_streams, per_expert
 from flashserve.engine.experts.stats import (
@@ -120,7 +121,7 @@ def expert_major(
             top_up()
             ran = []
             for stream, (e, result) in zip(streams, landed, strict=False):
-                tensors = store.tensors(layer, result.buffer)
+                tensors = store.tensors(layer, result.record)
                 with mx.stream(stream):
                     o, p = per_expert(info, x2, flat, np.array([e]), {e: tensors})
                 ran.append((e, result, tensors, o))
@@ -194,9 +195,12 @@ def hold_room(offload: Any, tokens: int, chunk_tokens: int, reused: int = 0, hel
             info.every = None  # its lists would keep the evicted experts' buffers alive
         offload.store.drop_free(keep=offload.prefill_window)
         mx.clear_cache()
+    heap.enter_prefill()  # its activations' blocks reused, not faulted in afresh
     return freed
 
 
 def release_room(offload: Any) -> None:
-    """The prefill is over: the cache may fill its whole capacity again."""
+    """The prefill is over: the cache may fill its whole capacity again, and large
+    blocks go back to maps of their own (compute/heap.py)."""
     offload.cache.held = 0
+    heap.leave_prefill()

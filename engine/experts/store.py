@@ -17,11 +17,22 @@ buffer of the record's size, the I/O thread reads the file straight into it
 multiple of 256 bytes in its record (weights/layout.py ALIGN), which every
 backend's kernels accept. MLX calls stay on the worker
 thread; I/O threads only run the syscall and a checksum.
+
+Reads bypass the page cache where the system allows (O_DIRECT on Linux,
+F_NOCACHE on macOS): an expert is read into the cache's own buffer anyway, so
+a page-cache copy is memory held twice, charged to a memory cgroup and
+reclaimed at a cost. Measured on the cap bench's experts (4 readers, 2.9 MB
+records): the same throughput with 1/7 of the system CPU time. O_DIRECT wants
+offsets, lengths and addresses on a block boundary: a buffer is a few pages
+longer than its record, the read covers the aligned span around the record,
+and the record is a view inside it (ReadResult.record).
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
+import mmap
 import os
 import threading
 import time
@@ -37,7 +48,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from flashserve.engine.weights.reader import ReadPool, WeightFileError, can_view, preadv_all
+from flashserve.engine.weights.reader import ReadPool, WeightFileError, can_view
 
 log = logging.getLogger(__name__)
 
@@ -97,9 +108,73 @@ class CachedExpert:
 
 @dataclass
 class ReadResult:
-    buffer: mx.array  # uint8, the whole record
+    buffer: mx.array  # uint8, what was allocated for the read (recycle this one)
+    record: mx.array  # uint8, the record: a view of `buffer`
     nbytes: int
     seconds: float  # wall time of the read on its I/O thread
+
+
+DIRECT_ALIGN = 4096  # O_DIRECT's boundary for offsets, lengths and addresses
+
+
+@dataclass(frozen=True)
+class _Span:
+    """One record's read: `size` bytes of the file from `file_offset` into the
+    buffer at `buffer_at`; the record itself is at `record_at`, `length` long."""
+
+    file_offset: int
+    buffer_at: int
+    size: int
+    record_at: int
+    length: int
+
+
+def read_span(fd: int, target: memoryview, span: _Span, path: Path) -> None:
+    """Fill the span. An aligned span may end past the end of the file: the read
+    then stops short once the record is in (O_DIRECT reads end at EOF)."""
+    need = span.record_at + span.length - span.buffer_at  # bytes up to the record's end
+    got = 0
+    while got < need:
+        n = os.preadv(
+            fd, [target[span.buffer_at + got : span.buffer_at + span.size]], span.file_offset + got
+        )
+        if n == 0:
+            end = span.file_offset + got
+            raise WeightFileError(f"{path}: ends at byte {end} (truncated; prepare it again)")
+        got += n
+
+
+def open_direct(path: Path, direct: bool) -> tuple[int, bool]:
+    """`path` opened for reads that bypass the page cache where this system and file
+    system allow; returns (fd, whether reads must be block-aligned). Not `direct`:
+    Linux reads go through the page cache (the buffers are a GPU's: whether the
+    kernel can read straight into them is not something to find out mid-request)."""
+    if hasattr(os, "O_DIRECT") and direct:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        except OSError:  # a file system without direct I/O (tmpfs on old kernels)
+            return os.open(path, os.O_RDONLY), False
+        if _direct_reads_work(fd):
+            return fd, True
+        os.close(fd)
+        return os.open(path, os.O_RDONLY), False
+    fd = os.open(path, os.O_RDONLY)
+    if hasattr(fcntl, "F_NOCACHE"):  # macOS: no alignment needed
+        with suppress(OSError):
+            fcntl.fcntl(fd, fcntl.F_NOCACHE, 1)
+    return fd, False
+
+
+def _direct_reads_work(fd: int) -> bool:
+    """Some file systems accept O_DIRECT at open and refuse the read (EINVAL)."""
+    page = mmap.mmap(-1, DIRECT_ALIGN)  # page-aligned
+    try:
+        os.preadv(fd, [page], 0)
+        return True
+    except OSError:
+        return False
+    finally:
+        page.close()
 
 
 def _evict(fd: int, offset: int, length: int, _: Future) -> None:
@@ -172,15 +247,17 @@ class ExpertStore:
         # then comes from disk, as for a model far larger than RAM (benchmarks).
         self.drop_page_cache = drop_page_cache and hasattr(os, "posix_fadvise")
         self._fds: dict[int, int] = {}
+        self._aligned: dict[int, bool] = {}  # layer -> its reads are O_DIRECT
+        direct = mx.default_device() == mx.cpu
         self._lock = threading.Lock()
         self._pool = ReadPool(threads, "expert-io")
         self.threads = threads
-        self._free: dict[int, list[mx.array]] = {}  # record length -> reusable buffers
+        self._free: dict[int, list[mx.array]] = {}  # buffer length -> reusable buffers
         self.max_free = 64
         for layer, layout in layouts.items():
-            fd = os.open(layout.file, os.O_RDONLY)
+            fd, self._aligned[layer] = open_direct(layout.file, direct)
             self._fds[layer] = fd
-            if hasattr(os, "posix_fadvise"):
+            if hasattr(os, "posix_fadvise") and not self._aligned[layer]:
                 # Records are read whole and at random; kernel readahead would
                 # pull in neighbouring experts nobody asked for.
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
@@ -237,7 +314,7 @@ class ExpertStore:
             pool.append(buffer)
 
     def drop_free(self, keep: int = 0) -> None:
-        """Free the spare buffers, keeping at most `keep` of each record length."""
+        """Free the spare buffers, keeping at most `keep` of each buffer length."""
         for pool in self._free.values():
             del pool[keep:]
 
@@ -249,51 +326,69 @@ class ExpertStore:
         """Start reading several experts, in order (the pool is FIFO)."""
         for layer, expert in keys:
             self.check(layer, expert)
-        buffers = self._buffers([self.layouts[layer].records[expert][1] for layer, expert in keys])
+        lengths = [self._buffer_length(*key) for key in keys]
+        buffers = self._buffers(lengths)
         futures = []
         for (layer, expert), buffer in zip(keys, buffers, strict=True):
             offset, length = self.layouts[layer].records[expert]
             target = np.array(buffer, copy=False)  # writable view of MLX's memory
+            span = self._span(layer, offset, length, target.ctypes.data)
+            record = buffer if span.record_at == 0 else buffer[span.record_at :][:length]
             what = f"expert {expert} of layer {layer} ({self.layouts[layer].file})"
             future = _TimedRead(self.io_timeout, what)
-            if self.drop_page_cache:
+            if self.drop_page_cache and not self._aligned[layer]:
                 # Benchmarks: every read comes from disk. The eviction runs on the
                 # I/O thread once the result is out, so no waiter waits for it.
                 future.add_done_callback(partial(_evict, self._fds[layer], offset, length))
             self._pool.submit(
-                self._read, layer, expert, buffer, target, offset, length, future=future
+                self._read, layer, expert, buffer, record, target, span, future=future
             )
             futures.append(future)
         return futures
+
+    def _buffer_length(self, layer: int, expert: int) -> int:
+        length = self.layouts[layer].records[expert][1]
+        # Room to start the read on a block boundary and end it on one.
+        return length + 3 * DIRECT_ALIGN if self._aligned[layer] else length
+
+    def _span(self, layer: int, offset: int, length: int, address: int) -> _Span:
+        """Where one record's read goes in its buffer (see the module doc)."""
+        if not self._aligned[layer]:
+            return _Span(offset, 0, length, 0, length)
+        start = offset - offset % DIRECT_ALIGN
+        end = -(-(offset + length) // DIRECT_ALIGN) * DIRECT_ALIGN
+        at = -address % DIRECT_ALIGN
+        return _Span(start, at, end - start, at + offset - start, length)
 
     def _read(
         self,
         layer: int,
         expert: int,
         buffer: mx.array,
+        record: mx.array,
         target: np.ndarray,
-        offset: int,
-        length: int,
+        span: _Span,
     ) -> ReadResult:
         layout = self.layouts[layer]
         start = time.perf_counter()
-        view = memoryview(target)
         fd = self._fds[layer]
+        offset = span.file_offset + span.record_at - span.buffer_at
         what = f"expert {expert} of layer {layer}"
         try:
-            preadv_all(fd, [view], offset, Path(layout.file))
+            read_span(fd, memoryview(target), span, Path(layout.file))
         except WeightFileError as exc:
             raise ExpertReadError(
-                f"{what}: {exc}; the record needs bytes {offset}..{offset + length}"
+                f"{what}: {exc}; the record needs bytes {offset}..{offset + span.length}"
             ) from None
         except OSError as exc:
             raise ExpertReadError(f"{what}: cannot read {layout.file}: {exc}") from exc
+        view = memoryview(target)[span.record_at : span.record_at + span.length]
         if self.verify and layout.crc32 is not None and zlib.crc32(view) != layout.crc32[expert]:
             raise ExpertReadError(
                 f"expert {expert} of layer {layer}: checksum mismatch in {layout.file} "
-                f"bytes {offset}..{offset + length} (file corrupted; prepare the model again)"
+                f"bytes {offset}..{offset + span.length} (file corrupted; prepare the model again)"
             )
-        return ReadResult(buffer=buffer, nbytes=length, seconds=time.perf_counter() - start)
+        return ReadResult(buffer, record, span.length, time.perf_counter() - start)
 
     def tensors(self, layer: int, buffer: mx.array) -> dict[str, mx.array]:
         """Zero-copy views of one record's tensors (not yet evaluated)."""
@@ -308,7 +403,7 @@ class ExpertStore:
     def read(self, layer: int, expert: int) -> dict[str, mx.array]:
         """Synchronous read of one expert (tests, tools)."""
         result = self.submit(layer, expert).result()
-        arrays = self.tensors(layer, result.buffer)
+        arrays = self.tensors(layer, result.record)
         mx.eval(arrays)
         return arrays
 

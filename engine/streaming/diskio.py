@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import mmap
 import os
+import random
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from flashserve.engine.experts.store import DIRECT_ALIGN, open_direct
 
 
 def drop_page_cache(path: str | Path) -> int:
@@ -43,3 +48,41 @@ def measure_read_speed(path: str | Path, block: int = 16 << 20, limit: int = 1 <
             break
     elapsed = time.perf_counter() - start
     return total / max(elapsed, 1e-9)
+
+
+def random_read_speed(
+    files: list[Path], record: int, threads: int, *, direct: bool, total: int = 1 << 30
+) -> float:
+    """Cold speed, bytes/s, of `record`-sized reads at random block-aligned places in
+    `files` by `threads` readers: through the page cache, or around it (`direct`,
+    as the expert store reads where the system allows)."""
+    rng = random.Random(threads)
+    sizes = [f.stat().st_size for f in files]
+    places = []
+    for _ in range(max(1, total // record)):
+        i = rng.randrange(len(files))
+        place = rng.randrange(max(1, sizes[i] - record))
+        places.append((i, place - place % DIRECT_ALIGN))
+    opened = [open_direct(f, direct) for f in files]
+    span = -(-record // DIRECT_ALIGN) * DIRECT_ALIGN
+    buffers = [mmap.mmap(-1, span) for _ in range(threads)]  # page-aligned
+    free = list(buffers)
+
+    def read(place: tuple[int, int]) -> int:
+        buffer = free.pop()
+        try:
+            return os.preadv(opened[place[0]][0], [buffer], place[1])
+        finally:
+            free.append(buffer)
+
+    try:
+        drop_page_cache(files[0].parent)
+        start = time.perf_counter()
+        with ThreadPoolExecutor(threads) as pool:
+            done = sum(pool.map(read, places))
+        return done / max(time.perf_counter() - start, 1e-9)
+    finally:
+        for fd, _ in opened:
+            os.close(fd)
+        for buffer in buffers:
+            buffer.close()

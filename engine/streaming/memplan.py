@@ -42,14 +42,13 @@ served in GET /memory (`memory_plan`).
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import mlx.core as mx
 
+from flashserve.engine.compute import heap
 from flashserve.engine.config import EngineConfig
 from flashserve.engine.streaming.memory import system_memory
 from flashserve.engine.streaming.residency import MODES, fmt_bytes
@@ -81,12 +80,6 @@ GROUP_FRACTION = 0.04  # of the limit: hidden states a layer-major prefill may h
 SMALL_LIMIT = 4 << 30
 SMALL_STEP = 256
 SMALL_THREADS = 4
-# glibc serves blocks from its arenas up to a threshold that grows to the largest
-# block freed (up to 32 MB): a prefill's activations then stay in the arenas as
-# free memory it keeps. A fixed threshold puts large blocks in their own maps,
-# given back when freed (measured: 95 MB less private memory after one prefill).
-MMAP_THRESHOLD = 256 * 1024
-_M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
 
 
 @dataclass
@@ -383,23 +376,12 @@ def apply_memory_plan(
     config.prompt_cache_bytes = plan.prompt_cache_bytes
     config.prefill_group_bytes = group
     mx.set_cache_limit(plan.mlx_cache_limit_bytes)
-    if _fix_mmap_threshold():
+    if heap.fix_mmap_threshold():
         plan.reasons.append(
-            f"large blocks ({MMAP_THRESHOLD // 1024} KB and up) mapped on their own: "
-            "freed activations go back to the system"
+            f"large blocks ({heap.MMAP_THRESHOLD // 1024} KB and up) mapped on their own: "
+            "freed activations go back to the system (from the arenas once a prefill ends)"
         )
     log.info(plan.describe())
     for reason in plan.reasons:
         log.info("memory plan: %s", reason)
     return plan
-
-
-def _fix_mmap_threshold() -> bool:
-    """Set glibc's mmap threshold (see MMAP_THRESHOLD); False where there is no glibc."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
-    except (OSError, AttributeError):
-        return False
