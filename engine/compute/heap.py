@@ -10,7 +10,8 @@ A prefill pays for that: each of its large activations is mapped afresh and
 faulted in 4 KB at a time (3.3 million faults, ~7 s of system time in the cap
 bench's 632-token prefill). So while one runs, the threshold is raised to
 PREFILL_MMAP_THRESHOLD and the arenas reuse the blocks; when it ends the
-threshold goes back and `malloc_trim` returns the arenas' free pages (measured:
+threshold goes back, and `trim` (malloc_trim) returns the arenas' free pages
+once its arrays are dropped (measured:
 2.0 million faults, 14.4 s to the first token instead of 16.7 s, private memory
 after the turn the same). Elsewhere than glibc these are no-ops.
 """
@@ -26,6 +27,7 @@ _M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
 
 _fixed: int | None = None  # the threshold the plan set; None: glibc's own
 _raised = False  # a prefill runs with PREFILL_MMAP_THRESHOLD
+_used = False  # a prefill has run with it
 
 
 def _libc() -> ctypes.CDLL | None:
@@ -53,17 +55,29 @@ def fix_mmap_threshold(nbytes: int = MMAP_THRESHOLD) -> bool:
 def enter_prefill() -> None:
     """Large blocks from the arenas while a prefill runs (where the plan fixed the
     threshold: glibc's own one grows by itself)."""
-    global _raised
+    global _raised, _used
     libc = _libc()
     if _fixed is not None and libc is not None:
         _raised = bool(libc.mallopt(_M_MMAP_THRESHOLD, PREFILL_MMAP_THRESHOLD))
+        _used = _used or _raised
 
 
 def leave_prefill() -> None:
-    """The plan's threshold again, and the arenas' free pages back to the system."""
+    """The plan's threshold again."""
     global _raised
     libc = _libc()
     if _raised and _fixed is not None and libc is not None:
         _raised = False
         libc.mallopt(_M_MMAP_THRESHOLD, _fixed)
+
+
+def trim() -> None:
+    """Give the arenas' free pages back to the system (after a prefill ran with the
+    raised threshold). What a prefill allocates and leaves behind lives in the
+    arenas too: its KV, the state stored from it. Freed later, when the answer
+    ends or the prompt cache has written that state, it stays there until this
+    runs (measured: 85-95 MB after the cap bench's first turn), so those are
+    the places that call it."""
+    libc = _libc()
+    if _used and libc is not None:
         libc.malloc_trim(0)

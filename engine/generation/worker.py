@@ -22,7 +22,7 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.models.cache import make_prompt_cache
 
-from flashserve.engine.compute import blas
+from flashserve.engine.compute import blas, heap
 from flashserve.engine.config import EngineConfig
 from flashserve.engine.distributed.mirror import Mirror, load_model
 from flashserve.engine.generation import decode_step, prompt_states
@@ -551,6 +551,7 @@ class Engine:
         entry = active.pop(uid)
         self.stats.active = len(active)  # idle before the client hears the end
         self._finish_entry(entry, reason)
+        heap.trim()  # the request's KV is gone (compute/heap.py)
 
     def _finish_entry(self, entry: Choice, reason: str) -> None:
         if reason == "cancelled" and entry.index == 0:

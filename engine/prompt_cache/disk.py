@@ -49,6 +49,7 @@ from typing import Any
 
 from mlx_lm.models.cache import PromptTrie
 
+from flashserve.engine.compute import heap
 from flashserve.engine.prompt_cache import files as prompt_files
 from flashserve.engine.prompt_cache import segments as prompt_segments
 from flashserve.engine.prompt_cache.budget import WriteBudget
@@ -258,6 +259,8 @@ class DiskTier:
             finally:
                 self._done(entry)
                 self._jobs.task_done()
+            del entry
+            heap.trim()  # the state written is gone (compute/heap.py)
         self._jobs.task_done()
 
     def _write(self, entry: PreparedEntry) -> None:
