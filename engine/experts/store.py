@@ -36,7 +36,6 @@ import mmap
 import os
 import threading
 import time
-import zlib
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import suppress
@@ -48,6 +47,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from flashserve.engine.weights.checksum import crc32
 from flashserve.engine.weights.reader import ReadPool, WeightFileError, can_view
 
 log = logging.getLogger(__name__)
@@ -383,7 +383,7 @@ class ExpertStore:
         except OSError as exc:
             raise ExpertReadError(f"{what}: cannot read {layout.file}: {exc}") from exc
         view = memoryview(target)[span.record_at : span.record_at + span.length]
-        if self.verify and layout.crc32 is not None and zlib.crc32(view) != layout.crc32[expert]:
+        if self.verify and layout.crc32 is not None and crc32(view) != layout.crc32[expert]:
             raise ExpertReadError(
                 f"expert {expert} of layer {layer}: checksum mismatch in {layout.file} "
                 f"bytes {offset}..{offset + span.length} (file corrupted; prepare the model again)"

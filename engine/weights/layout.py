@@ -70,13 +70,13 @@ import logging
 import shlex
 import stat
 import struct
-import zlib
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
+from flashserve.engine.weights.checksum import crc32
 from flashserve.engine.weights.model import ModelLoadError
 
 log = logging.getLogger(__name__)
@@ -223,7 +223,7 @@ def check_small_files(path: Path, manifest: dict) -> None:
         except OSError as exc:
             log.warning("%s: cannot be read (%s)", file, exc.strerror or exc)
             continue
-        if len(data) != entry["bytes"] or zlib.crc32(data) != entry["crc32"]:
+        if len(data) != entry["bytes"] or crc32(data) != entry["crc32"]:
             log.warning("%s: differs from the manifest (edited after prepare?); used as is", file)
 
 

@@ -15,7 +15,6 @@ import os
 import shutil
 import struct
 import time
-import zlib
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_map
 
+from flashserve.engine.weights.checksum import crc32
 from flashserve.engine.weights.layout import (
     ALIGN,
     FORMAT,
@@ -418,7 +418,7 @@ def _record_crcs(path: Path, records: list[list[int]]) -> list[int]:
         out = []
         for offset, length in records:
             f.seek(offset)
-            out.append(zlib.crc32(f.read(length)))
+            out.append(crc32(f.read(length)))
         return out
 
 
@@ -427,7 +427,7 @@ def _small_files(out: Path, names: list[str]) -> dict[str, dict[str, int]]:
     found = {}
     for name in sorted(set(names)):
         data = (out / name).read_bytes()
-        found[name] = {"bytes": len(data), "crc32": zlib.crc32(data)}
+        found[name] = {"bytes": len(data), "crc32": crc32(data)}
     return found
 
 

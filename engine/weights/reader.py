@@ -27,7 +27,6 @@ import stat
 import struct
 import threading
 import time
-import zlib
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -38,6 +37,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from flashserve.engine.weights.checksum import crc32
 from flashserve.engine.weights.layout import ALIGN, PAD_PREFIX
 from flashserve.engine.weights.model import ModelLoadError
 
@@ -270,7 +270,7 @@ class FileRead:
                 if piece.crc32 is not None:
                     crc = 0
                     for target in piece.targets:
-                        crc = zlib.crc32(target, crc)
+                        crc = crc32(target, crc)
                     if crc != piece.crc32:
                         end = piece.offset + piece.nbytes
                         raise WeightFileError(
@@ -353,7 +353,7 @@ def file_crcs(path: Path, chunk_bytes: int = CHUNK_BYTES) -> list[int]:
     out = []
     with open(path, "rb") as f:
         while chunk := f.read(chunk_bytes):
-            out.append(zlib.crc32(chunk))
+            out.append(crc32(chunk))
     return out
 
 
