@@ -28,7 +28,7 @@ class EngineConfig:
     expert_cache: str | None = None  # slots ("2048") or bytes ("3GB"); None: experts resident
     expert_policy: str = "lru"  # lru | lfu
     expert_threads: int = 8
-    expert_prefetch: str = "none"  # none | next-layer
+    expert_prefetch: str = "auto"  # auto | none | next-layer (auto: the memory plan decides)
     record_routing: str | None = None  # path of a routing trace to write
     # Generation
     max_batch: int = 8

@@ -82,7 +82,9 @@ class Settings(BaseSettings):
     )
     expert_policy: Literal["lru", "lfu"] = "lru"
     expert_threads: int = Field(8, ge=1, le=64)
-    expert_prefetch: Literal["none", "next-layer"] = "none"
+    # auto: next-layer under `expert_cache = "auto"` when the experts do not all fit
+    # (its reads come out of the cache's bytes: experts/prefetch.py), else none.
+    expert_prefetch: Literal["auto", "none", "next-layer"] = "auto"
     record_routing: str | None = None
 
     # Generation

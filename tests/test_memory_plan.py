@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from flashserve.engine.streaming.memplan import MIN_FLOOR, ModelShape, plan_memory
 from tests.conftest import NO_EOS, stop_server
 from tests.streaming_fixtures import big_moe
@@ -88,32 +90,43 @@ def test_a_configured_layer_count_is_kept() -> None:
     assert plan.stream_buffer_bytes == 3 * 10 * MB  # (prefetch depth 2 + 1) x the largest
 
 
-def test_next_layer_prefetch_is_turned_off_under_the_plan() -> None:
-    """Its reads are not bounded by the plan (a cap-bench run with it on was
-    OOM-killed): the plan turns it off and says so."""
+@pytest.mark.parametrize(
+    ("layers", "asked", "expected"),
+    [(16, "auto", "next-layer"), (2, "auto", "none"), (16, "none", "none")],
+)
+def test_auto_prefetch_reads_ahead_when_the_experts_do_not_all_fit(
+    monkeypatch, layers, asked, expected
+) -> None:
+    """Its reads come out of the cache's bytes (experts/prefetch.py), so the plan
+    turns it on when decode reads experts from disk; a choice made is kept."""
     import mlx.core as mx
 
     from flashserve.engine.config import EngineConfig
-    from flashserve.engine.streaming.memplan import apply_memory_plan
+    from flashserve.engine.streaming import memplan
+    from flashserve.engine.streaming.memory import SystemMemory
 
+    monkeypatch.setattr(
+        memplan, "system_memory", lambda: SystemMemory(1200 * MB, 1100 * MB, "cgroup v1 /x")
+    )
     switch = {"num_experts": 64, "record_bytes": 3 * MB}
-    manifest = {"layers": [{"experts": {"switches": [switch]}} for _ in range(4)]}
-    config = EngineConfig(model="x", expert_cache="auto", expert_prefetch="next-layer")
+    manifest = {"layers": [{"experts": {"switches": [switch]}} for _ in range(layers)]}
+    config = EngineConfig(model="x", expert_cache="auto", expert_prefetch=asked)
     limit = mx.set_cache_limit(0)
     try:
-        plan = apply_memory_plan(
+        plan = memplan.apply_memory_plan(
             config,
             manifest,
             {"num_experts_per_tok": 8},
-            layer_bytes=[10 * MB] * 4,
+            layer_bytes=[10 * MB] * layers,
             kv_bytes_per_token=1024,
             context_length=2048,
             activations=lambda: 0,
         )
     finally:
         mx.set_cache_limit(limit)
-    assert config.expert_prefetch == "none"
-    assert any("expert prefetch 'next-layer' turned off" in r for r in plan.reasons)
+    assert config.expert_prefetch == expected
+    said = any("next-layer expert prefetch on" in r for r in plan.reasons)
+    assert said == (expected == "next-layer" and asked == "auto")
 
 
 CAP = 400 * MB

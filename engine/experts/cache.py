@@ -318,6 +318,7 @@ class ExpertCache:
         self.chunk_activation_bytes = 0  # of the room: one prefill chunk's activations
         self.state_bytes_per_token = 0  # KV (or state) per token: a hit's copies
         self.held = 0
+        self.prefetching = 0  # bytes of prefetched records in flight (experts/prefetch.py)
         # layer -> changes to its keys or values: lists built over a layer's
         # cached experts (experts/compute.py: built_ahead) are current while it stands.
         self._versions: dict[int, int] = {}
@@ -363,14 +364,16 @@ class ExpertCache:
         """Whether an entry of `nbytes` could be inserted after evicting unpinned keys."""
         pinned_bytes = sum(self._entries[k].nbytes for k in self.pinned if k in self._entries)
         pinned_slots = sum(1 for k in self.pinned if k in self._entries)
-        return self.capacity.fits(pinned_slots + 1, pinned_bytes + nbytes + self.held)
+        return self.capacity.fits(
+            pinned_slots + 1, pinned_bytes + nbytes + self.held + self.prefetching
+        )
 
     def insert(self, key: Key, value: Any, nbytes: int) -> list[Key]:
         """Insert a missed key (counted as a use); return the keys evicted for it."""
         self.policy.access(key)
         evicted = []
         while self._entries and not self.capacity.fits(
-            len(self._entries) + 1, self.nbytes + nbytes + self.held
+            len(self._entries) + 1, self.nbytes + nbytes + self.held + self.prefetching
         ):
             victim = self.policy.victim(self.pinned)
             if victim is None:
@@ -388,7 +391,29 @@ class ExpertCache:
 
     def has_room(self, nbytes: int) -> bool:
         """Whether an entry of `nbytes` fits now, without evicting anything."""
-        return self.capacity.fits(len(self._entries) + 1, self.nbytes + nbytes + self.held)
+        return self.capacity.fits(
+            len(self._entries) + 1, self.nbytes + nbytes + self.held + self.prefetching
+        )
+
+    def make_room(self, nbytes: int) -> list[Key]:
+        """Evict unpinned keys until `nbytes` more fit beside the entries and what is
+        held (a prefetch's reads); returns the keys evicted."""
+        evicted = []
+        while self._entries and not self.capacity.fits(
+            len(self._entries), self.nbytes + self.held + self.prefetching + nbytes
+        ):
+            victim = self.policy.victim(self.pinned)
+            if victim is None:
+                break
+            self._evict(victim)
+            evicted.append(victim)
+        return evicted
+
+    def free_bytes(self) -> int | None:
+        """Bytes of the capacity neither cached nor held; None for a slot count."""
+        if self.capacity.nbytes is None:
+            return None
+        return self.capacity.nbytes - self.nbytes - self.held - self.prefetching
 
     def _evict(self, key: Key) -> None:
         entry = self._entries.pop(key)

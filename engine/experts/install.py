@@ -131,8 +131,8 @@ def install_expert_offload(
     Raises CacheCapacityError (a ValueError) for a capacity smaller than one
     layer's top-k or an unknown policy / prefetch mode.
     """
-    if prefetch not in ("none", "next-layer"):
-        raise CacheCapacityError(f"expert prefetch {prefetch!r}: choose none or next-layer")
+    if prefetch not in ("auto", "none", "next-layer"):
+        raise CacheCapacityError(f"expert prefetch {prefetch!r}: choose auto, none or next-layer")
     root = Path(root)
     cap = parse_capacity(capacity)
     make_policy(policy)  # an unknown name fails before any work

@@ -35,7 +35,6 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
@@ -49,6 +48,7 @@ from flashserve.engine.experts.compute import (
     restore_order,
     run_template,
 )
+from flashserve.engine.experts.prefetch import NextLayerPrefetch, Pending
 from flashserve.engine.experts.prefill import expert_major
 from flashserve.engine.experts.stats import (
     BLOCKED_SECONDS,
@@ -59,14 +59,7 @@ from flashserve.engine.experts.stats import (
     EVICTIONS,
     HITS,
     MISSES,
-    PREDICTED,
-    PREDICTED_ACTUAL,
-    PREDICTED_CORRECT,
-    PREFETCH_BYTES,
     PREFETCH_HITS,
-    PREFETCH_READS,
-    PREFETCH_WASTED,
-    PREFETCH_WASTED_BYTES,
     TOKENS,
     USES,
     CacheStats,
@@ -76,12 +69,6 @@ from flashserve.engine.experts.store import CachedExpert, ExpertStore, ReadResul
 from flashserve.engine.experts.trace import RoutingTrace
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Prefetch:
-    future: Future[ReadResult]
-    nbytes: int
 
 
 class ExpertOffload:
@@ -106,8 +93,7 @@ class ExpertOffload:
         self.first_layer = self.order[0]
         self.nbytes = {layer: info.layout.record_bytes for layer, info in layers.items()}
         self.stats = ExpertStats(self.order, window_tokens=window_tokens)
-        self._pending: dict[int, dict[int, _Prefetch]] = {}
-        self._predicted: dict[int, set[int]] = {}
+        self.prefetcher = NextLayerPrefetch(store, cache, self.stats, self.nbytes)
         self._forward = -1
         self._token_base = 0
         self._last_tokens = 0
@@ -139,7 +125,7 @@ class ExpertOffload:
         predicted = None
         nxt = info.next_layer
         if self.prefetch and nxt is not None and self.layers[nxt].router is not None:
-            predicted = self._predict(self.layers[nxt], x)
+            predicted = self.prefetcher.guess(self.layers[nxt], x)
         routing = [indices] if predicted is None else [indices, predicted]
         # The one sync: the router computes while the call is built ahead.
         mx.async_eval(routing)
@@ -156,10 +142,10 @@ class ExpertOffload:
             self._count_cached_call(info, ids, keys, predicted)
             return ahead[0]
         needed = self._account(layer, ids, self._forward, self._token_base)
-        self._score_prediction(layer, needed)
-        pending = self._pending.pop(layer, {})
+        self.prefetcher.score(layer, needed)
+        pending = self.prefetcher.take(layer)
         used = {e for key in keys if key not in self.cache for e in (key[1],) if e in pending}
-        self._discard_unused(layer, pending, used)
+        self.prefetcher.drop_unused(layer, pending, used)
         chunks = chunk_keys(keys, self.cache.capacity, self.nbytes)
         if len(chunks) > 1:
             return self._run_chunked(info, x, ids, chunks, pending, predicted)
@@ -181,13 +167,13 @@ class ExpertOffload:
         """The counts, trace, policy uses and prefetch of a call whose experts were all cached."""
         layer = info.layer
         needed = self._account(layer, ids, self._forward, self._token_base)
-        self._score_prediction(layer, needed)
-        self._discard_unused(layer, self._pending.pop(layer, {}), set())
+        self.prefetcher.score(layer, needed)
+        self.prefetcher.drop_unused(layer, self.prefetcher.take(layer), set())
         for key in keys:
             self.cache.lookup(key)
         self.stats.add(layer, HITS, len(keys))
         if predicted is not None:
-            self._issue_prefetch(info.next_layer, predicted)
+            self.prefetcher.issue(info.next_layer, predicted)
 
     def run_prefill(self, layer: int, x: mx.array, indices: mx.array) -> mx.array:
         """A prefill call (sequences longer than one token): expert-major, each needed
@@ -198,8 +184,7 @@ class ExpertOffload:
         mx.eval(indices)
         ids = np.array(indices)
         needed = self._account(layer, ids, self._forward, self._token_base, prefill=True)
-        self._predicted.pop(layer, None)
-        self._discard_unused(layer, self._pending.pop(layer, {}), set())
+        self.prefetcher.forget(layer)
         outs, positions = expert_major(
             info,
             x.reshape(-1, x.shape[-1]),
@@ -312,32 +297,11 @@ class ExpertOffload:
                     freed += self.nbytes[info.layer]
         return freed
 
-    def _predict(self, nxt: OffloadLayer, x: mx.array) -> mx.array:
-        out = nxt.router(x)
-        if isinstance(out, tuple):  # routers that return (indices, scores)
-            return out[0]
-        k = nxt.top_k
-        return mx.argpartition(-out, kth=k - 1, axis=-1)[..., :k]
-
-    def _score_prediction(self, layer: int, needed: np.ndarray) -> None:
-        guess = self._predicted.pop(layer, None)
-        if guess is None:
-            return
-        actual = {int(e) for e in needed}
-        self.stats.add_many(
-            layer,
-            {
-                PREDICTED: len(guess),
-                PREDICTED_CORRECT: len(guess & actual),
-                PREDICTED_ACTUAL: len(actual),
-            },
-        )
-
     def _acquire(
         self,
         info: OffloadLayer,
         keys: list[Key],
-        pending: dict[int, _Prefetch],
+        pending: dict[int, Pending],
         predicted: mx.array | None,
     ) -> dict[int, dict[str, mx.array]]:
         """Make `keys` resident and pinned; return expert -> tensors. Issues the prefetch."""
@@ -351,7 +315,7 @@ class ExpertOffload:
             for key, fut in zip(missing, self.store.submit_many(missing), strict=True):
                 futures[key[1]] = fut
         if predicted is not None:
-            self._issue_prefetch(info.next_layer, predicted)
+            self.prefetcher.issue(info.next_layer, predicted)
 
         weights: dict[int, dict[str, mx.array]] = {}
         counts = {HITS: 0, PREFETCH_HITS: 0, MISSES: 0, EVICTIONS: 0, BLOCKED_SECONDS: 0.0}
@@ -368,6 +332,7 @@ class ExpertOffload:
                     counts[MISSES] += 1
                 else:
                     fut = pending[key[1]].future
+                    self.prefetcher.landed(pending[key[1]])
                     counts[PREFETCH_HITS] += 1
                 waited = time.perf_counter()
                 result = fut.result()  # ExpertReadError names the layer and expert
@@ -409,43 +374,6 @@ class ExpertOffload:
             else:
                 self.stats.add(old[0], EVICTIONS)
 
-    def _discard_unused(self, layer: int, pending: dict[int, _Prefetch], used: set[int]) -> None:
-        wasted = 0
-        wasted_bytes = 0
-        for expert, item in pending.items():
-            if expert in used:
-                continue
-            if item.future.cancel():  # never started: no bytes were read
-                self.stats.add_many(
-                    layer,
-                    {PREFETCH_READS: -1, PREFETCH_BYTES: -item.nbytes, BYTES_READ: -item.nbytes},
-                )
-                continue
-            wasted += 1
-            wasted_bytes += item.nbytes
-        if wasted:
-            self.stats.add_many(
-                layer, {PREFETCH_WASTED: wasted, PREFETCH_WASTED_BYTES: wasted_bytes}
-            )
-
-    def _issue_prefetch(self, layer: int | None, predicted: mx.array) -> None:
-        if layer is None:
-            return
-        guess = {int(e) for e in np.unique(np.array(predicted))}
-        self._predicted[layer] = guess
-        pending = self._pending.setdefault(layer, {})
-        todo = [
-            (layer, e) for e in sorted(guess) if (layer, e) not in self.cache and e not in pending
-        ]
-        if not todo:
-            return
-        for key, fut in zip(todo, self.store.submit_many(todo), strict=True):
-            pending[key[1]] = _Prefetch(fut, self.nbytes[layer])
-        total = len(todo) * self.nbytes[layer]
-        self.stats.add_many(
-            layer, {PREFETCH_READS: len(todo), PREFETCH_BYTES: total, BYTES_READ: total}
-        )
-
     # -- compute --------------------------------------------------------------------
 
     def _run_chunked(
@@ -454,7 +382,7 @@ class ExpertOffload:
         x: mx.array,
         ids: np.ndarray,
         chunks: list[list[Key]],
-        pending: dict[int, _Prefetch],
+        pending: dict[int, Pending],
         predicted: mx.array | None,
     ) -> mx.array:
         k = ids.shape[-1]
@@ -513,11 +441,7 @@ class ExpertOffload:
             self.cache.clear()
             self.cache.pinned.clear()
             self.stats.clear_resident()
-            for pending in self._pending.values():
-                for item in pending.values():
-                    item.future.cancel()
-            self._pending.clear()
-            self._predicted.clear()
+            self.prefetcher.clear()
         self.stats.reset()
 
     def preload(self) -> int:

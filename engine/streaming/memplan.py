@@ -325,6 +325,7 @@ def apply_memory_plan(
         prefetch_depth=max(0, int(config.prefetch_depth)),
         io_window=max(2 * int(config.expert_threads), 4),  # experts/offload.py's prefill window
     )
+
     plan = plan_memory(
         shape,
         limit=memory.total,
@@ -360,15 +361,17 @@ def apply_memory_plan(
                 "the expert cache, lent while it runs): each group of chunks reads every "
                 f"expert once; the prefill room is {fmt_bytes(plan.prefill_reserve_bytes)}"
             )
-    if config.expert_prefetch != "none":
-        # Measured: the 3 GB MoE under a 1.2 GB cap with next-layer prefetch was
-        # OOM-killed in its first free decode, its private memory ~110 MB over the
-        # plan's even with 4 x top-k more records reserved for the reads.
-        plan.reasons.append(
-            f"expert prefetch {config.expert_prefetch!r} turned off: its memory is not "
-            "bounded by the plan yet"
-        )
-        config.expert_prefetch = "none"
+    if config.expert_prefetch == "auto":
+        # Measured on the cap bench (3 GB MoE, 1.2 GB cap, uniform routing): the
+        # guess served 80% of the misses, 15% of its reads were wasted, free decode
+        # 3.37 -> 4.46 tok/s. Its reads come out of the cache's bytes.
+        streams = plan.expert_cache_bytes < plan.expert_total_bytes
+        config.expert_prefetch = "next-layer" if streams else "none"
+        if streams:
+            plan.reasons.append(
+                "next-layer expert prefetch on: the experts do not all fit, and its reads "
+                "come out of the expert cache's bytes"
+            )
     config.expert_cache = f"{plan.expert_cache_bytes}B"
     config.resident_layers = plan.resident_layers
     config.memory_budget = None
