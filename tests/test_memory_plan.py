@@ -90,6 +90,42 @@ def test_a_configured_layer_count_is_kept() -> None:
     assert plan.stream_buffer_bytes == 3 * 10 * MB  # (prefetch depth 2 + 1) x the largest
 
 
+def _plan_under_a_cap(
+    monkeypatch,
+    config,
+    layers: int,
+    *,
+    kv_bytes_per_token: int,
+    context: int,
+    activations: int = 0,
+):
+    """apply_memory_plan under a 1.2 GB cgroup for `layers` MoE layers of 64 experts
+    of 3 MB (top-8), with MLX's pool limit put back after."""
+    import mlx.core as mx
+
+    from flashserve.engine.streaming import memplan
+    from flashserve.engine.streaming.memory import SystemMemory
+
+    monkeypatch.setattr(
+        memplan, "system_memory", lambda: SystemMemory(1200 * MB, 1100 * MB, "cgroup v1 /x")
+    )
+    switch = {"num_experts": 64, "record_bytes": 3 * MB}
+    manifest = {"layers": [{"experts": {"switches": [switch]}} for _ in range(layers)]}
+    limit = mx.set_cache_limit(0)
+    try:
+        return memplan.apply_memory_plan(
+            config,
+            manifest,
+            {"num_experts_per_tok": 8},
+            layer_bytes=[10 * MB] * layers,
+            kv_bytes_per_token=kv_bytes_per_token,
+            context_length=context,
+            activations=lambda: activations,
+        )
+    finally:
+        mx.set_cache_limit(limit)
+
+
 @pytest.mark.parametrize(
     ("layers", "asked", "expected"),
     [(16, "auto", "next-layer"), (2, "auto", "none"), (16, "none", "none")],
@@ -99,31 +135,10 @@ def test_auto_prefetch_reads_ahead_when_the_experts_do_not_all_fit(
 ) -> None:
     """Its reads come out of the cache's bytes (experts/prefetch.py), so the plan
     turns it on when decode reads experts from disk; a choice made is kept."""
-    import mlx.core as mx
-
     from flashserve.engine.config import EngineConfig
-    from flashserve.engine.streaming import memplan
-    from flashserve.engine.streaming.memory import SystemMemory
 
-    monkeypatch.setattr(
-        memplan, "system_memory", lambda: SystemMemory(1200 * MB, 1100 * MB, "cgroup v1 /x")
-    )
-    switch = {"num_experts": 64, "record_bytes": 3 * MB}
-    manifest = {"layers": [{"experts": {"switches": [switch]}} for _ in range(layers)]}
     config = EngineConfig(model="x", expert_cache="auto", expert_prefetch=asked)
-    limit = mx.set_cache_limit(0)
-    try:
-        plan = memplan.apply_memory_plan(
-            config,
-            manifest,
-            {"num_experts_per_tok": 8},
-            layer_bytes=[10 * MB] * layers,
-            kv_bytes_per_token=1024,
-            context_length=2048,
-            activations=lambda: 0,
-        )
-    finally:
-        mx.set_cache_limit(limit)
+    plan = _plan_under_a_cap(monkeypatch, config, layers, kv_bytes_per_token=1024, context=2048)
     assert config.expert_prefetch == expected
     said = any("next-layer expert prefetch on" in r for r in plan.reasons)
     assert said == (expected == "next-layer" and asked == "auto")
@@ -187,31 +202,12 @@ def test_a_lent_prefill_room_holds_a_group_of_half_the_expert_cache(monkeypatch)
     """Each group of a layer-major prefill reads every expert once: with the room
     lent, a group may hold hidden states up to half the expert cache, not 4% of
     the limit (which cut a 632-token prompt into three groups under 1.2 GB)."""
-    import mlx.core as mx
-
     from flashserve.engine.config import EngineConfig
-    from flashserve.engine.streaming import memplan
-    from flashserve.engine.streaming.memory import SystemMemory
 
-    monkeypatch.setattr(
-        memplan, "system_memory", lambda: SystemMemory(1200 * MB, 1100 * MB, "cgroup v1 /x")
-    )
-    switch = {"num_experts": 64, "record_bytes": 3 * MB}
-    manifest = {"layers": [{"experts": {"switches": [switch]}} for _ in range(16)]}
     config = EngineConfig(model="x", expert_cache="auto")
-    limit = mx.set_cache_limit(0)
-    try:
-        plan = memplan.apply_memory_plan(
-            config,
-            manifest,
-            {"num_experts_per_tok": 8},
-            layer_bytes=[10 * MB] * 16,
-            kv_bytes_per_token=64 * 1024,
-            context_length=4096,
-            activations=lambda: 40 * MB,
-        )
-    finally:
-        mx.set_cache_limit(limit)
+    plan = _plan_under_a_cap(
+        monkeypatch, config, 16, kv_bytes_per_token=64 * 1024, context=4096, activations=40 * MB
+    )
     assert plan.expert_cache_bytes < 16 * 64 * 3 * MB  # the experts do not all fit: lent
     assert config.prefill_group_bytes == plan.expert_cache_bytes // 2
     assert plan.prefill_reserve_bytes == 40 * MB + config.prefill_group_bytes
