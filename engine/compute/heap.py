@@ -19,6 +19,7 @@ after the turn the same). Elsewhere than glibc these are no-ops.
 from __future__ import annotations
 
 import ctypes
+import functools
 import sys
 
 MMAP_THRESHOLD = 256 * 1024
@@ -30,6 +31,7 @@ _raised = False  # a prefill runs with PREFILL_MMAP_THRESHOLD
 _used = False  # a prefill has run with it
 
 
+@functools.cache
 def _libc() -> ctypes.CDLL | None:
     if not sys.platform.startswith("linux"):
         return None

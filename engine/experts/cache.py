@@ -364,25 +364,19 @@ class ExpertCache:
         """Whether an entry of `nbytes` could be inserted after evicting unpinned keys."""
         pinned_bytes = sum(self._entries[k].nbytes for k in self.pinned if k in self._entries)
         pinned_slots = sum(1 for k in self.pinned if k in self._entries)
-        return self.capacity.fits(
-            pinned_slots + 1, pinned_bytes + nbytes + self.held + self.prefetching
-        )
+        return self.capacity.fits(pinned_slots + 1, pinned_bytes + nbytes + self.reserved)
 
     def insert(self, key: Key, value: Any, nbytes: int) -> list[Key]:
         """Insert a missed key (counted as a use); return the keys evicted for it."""
         self.policy.access(key)
-        evicted = []
-        while self._entries and not self.capacity.fits(
-            len(self._entries) + 1, self.nbytes + nbytes + self.held + self.prefetching
+        evicted = self.make_room(nbytes, slots=1)
+        if self._entries and not self.capacity.fits(
+            len(self._entries) + 1, self.nbytes + nbytes + self.reserved
         ):
-            victim = self.policy.victim(self.pinned)
-            if victim is None:
-                raise CacheCapacityError(
-                    f"expert cache ({self.capacity.describe()}) is full of experts the "
-                    "current layer needs"
-                )
-            self._evict(victim)
-            evicted.append(victim)
+            raise CacheCapacityError(
+                f"expert cache ({self.capacity.describe()}) is full of experts the "
+                "current layer needs"
+            )
         self._entries[key] = Entry(value, nbytes)
         self._changed(key)
         self.nbytes += nbytes
@@ -391,16 +385,20 @@ class ExpertCache:
 
     def has_room(self, nbytes: int) -> bool:
         """Whether an entry of `nbytes` fits now, without evicting anything."""
-        return self.capacity.fits(
-            len(self._entries) + 1, self.nbytes + nbytes + self.held + self.prefetching
-        )
+        return self.capacity.fits(len(self._entries) + 1, self.nbytes + nbytes + self.reserved)
 
-    def make_room(self, nbytes: int) -> list[Key]:
-        """Evict unpinned keys until `nbytes` more fit beside the entries and what is
-        held (a prefetch's reads); returns the keys evicted."""
+    @property
+    def reserved(self) -> int:
+        """Capacity kept free of entries: a prefill's room and prefetches in flight."""
+        return self.held + self.prefetching
+
+    def make_room(self, nbytes: int, slots: int = 0) -> list[Key]:
+        """Evict unpinned keys until `slots` more entries of `nbytes` in all fit beside
+        the entries and what is reserved; returns the keys evicted (fewer when the
+        rest is pinned)."""
         evicted = []
         while self._entries and not self.capacity.fits(
-            len(self._entries), self.nbytes + self.held + self.prefetching + nbytes
+            len(self._entries) + slots, self.nbytes + self.reserved + nbytes
         ):
             victim = self.policy.victim(self.pinned)
             if victim is None:
@@ -413,7 +411,7 @@ class ExpertCache:
         """Bytes of the capacity neither cached nor held; None for a slot count."""
         if self.capacity.nbytes is None:
             return None
-        return self.capacity.nbytes - self.nbytes - self.held - self.prefetching
+        return self.capacity.nbytes - self.nbytes - self.reserved
 
     def _evict(self, key: Key) -> None:
         entry = self._entries.pop(key)

@@ -181,12 +181,8 @@ def hold_room(offload: Any, tokens: int, chunk_tokens: int, reused: int = 0, hel
         return 0
     cache.held = room
     freed = 0
-    while len(cache) and not cache.capacity.fits(len(cache), cache.nbytes + room):
-        victim = cache.policy.victim(cache.pinned)
-        if victim is None:
-            break
+    for victim in cache.make_room(0):
         nbytes = offload.nbytes[victim[0]]
-        cache.evict(victim)
         offload.stats.resident(victim[0], -1, -nbytes)
         offload.stats.add(victim[0], EVICTIONS)
         freed += nbytes
