@@ -32,6 +32,7 @@ SOURCES = [
     "engine/compute/csrc/step_cache.cpp",
     "engine/compute/csrc/prompt_softmax.cpp",
     "engine/compute/csrc/prompt_dequant.cpp",
+    "engine/compute/csrc/expert_ops.cpp",
 ]
 
 

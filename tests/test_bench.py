@@ -171,7 +171,8 @@ def test_quick_bench_prints_every_section(tmp_path: Path) -> None:
     assert len(major) == 1, proc.stdout
     assert [(r["model"].split(",")[0], r["threads"].split(" ", 1)[1]) for r in major[0]] == [
         ("expert-major", "cores"),
-        ("expert-major", "cores, one expert at a time"),
+        ("expert-major", "cores, template, two experts at a time"),
+        ("expert-major", "cores, template, one expert at a time"),
         ("expert-major", "thread"),
         ("every expert resident", "cores"),
         ("every expert resident", "thread"),
@@ -179,7 +180,11 @@ def test_quick_bench_prints_every_section(tmp_path: Path) -> None:
     for row in major[0]:
         assert _number(row["prompt tok/s"]) > 0 and _number(row["cores busy"]) > 0, row
         assert _number(row["CPU spread"]) >= 1.0, row  # CPU time / the busiest thread's
-    for ratio in (" / resident, all cores", ", two experts at once / one at a time"):
+    for ratio in (
+        " / resident, all cores",
+        ", one op per expert / template two at once",
+        ", two experts at once / one at a time",
+    ):
         line = rf"^  expert-major{re.escape(ratio)}, prompt tok/s: [0-9.]+x$"
         assert re.search(line, proc.stdout, re.M), ratio
     kept = [rows for t, rows in tables.items() if t.startswith("Expert cache (25%)")]

@@ -1,10 +1,11 @@
 """Expert-major prefill on every core is token-identical to the resident model (issue 46).
 
 An MoE whose experts are offloaded prefills expert-major (experts/prefill.py):
-each needed expert runs once on all of its token rows, two experts at once
-on two MLX streams where there are two cores, their matmuls on flashserve's
-kernel, which splits a matmul of 256K weights x rows or more over its thread
-pool (compute/csrc/qmm_kernels.cpp). The tiny models here
+each needed expert runs once on all of its token rows, as one op of
+flashserve's kernel (or through mlx-lm's SwitchGLU, two experts at once on
+two MLX streams where there are two cores), its matmuls on the kernel,
+which splits a matmul of 256K weights x rows or more over its thread pool
+(compute/csrc/qmm_kernels.cpp). The tiny models here
 are wide enough (hidden 256, experts of 128) that a 64-token chunk's
 per-expert matmuls cross that threshold, so they run split over the cores.
 Greedy output through the real server must be the fully resident model's at
@@ -98,11 +99,12 @@ def test_expert_major_prefill_on_every_core_matches_resident(tmp_path: Path, arc
             assert got == expected, "one core"
 
 
-def test_two_experts_at_once_match_one_at_a_time_and_resident(
+def test_every_expert_path_matches_resident(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With two cores the prefill runs experts on two MLX streams (compute.expert_streams);
-    its tokens are those of one expert at a time (as before issue 46) and of resident."""
+    """The prefill computes an expert as one op (compute.fused_glu), or through mlx-lm's
+    SwitchGLU two experts at a time on two MLX streams (compute.expert_streams) or one
+    at a time (as before issue 46): every path gives the resident model's tokens."""
     from flashserve.engine.experts import compute, prefill
 
     from .test_prefill import _alone, _engine
@@ -110,31 +112,46 @@ def test_two_experts_at_once_match_one_at_a_time_and_resident(
     source = make_model_dir(tmp_path / "src", "qwen3_moe", overrides=WIDE)
     prepared = prepare(str(source), tmp_path / "prepared", expert_bits=4)
     widths: list[int] = []
-    real = prefill.expert_streams
+    fused: list[bool] = []
+    real_streams, real_fused = prefill.expert_streams, prefill.fused_glu
 
-    def watched() -> list:
-        streams = real()
+    def watched_streams() -> list:
+        streams = real_streams()
         widths.append(len(streams))
         return streams
 
-    monkeypatch.setattr(prefill, "expert_streams", watched)
+    def watched_fused(*args: object) -> object:
+        op = real_fused(*args)
+        fused.append(op is not None)
+        return op
+
+    monkeypatch.setattr(prefill, "expert_streams", watched_streams)
+    monkeypatch.setattr(prefill, "fused_glu", watched_fused)
     resident = _engine(prepared)
     try:
         expected = _alone(resident, PROMPTS, TOKENS)
     finally:
         resident.shutdown()
-    assert not widths  # every expert resident: no expert-major call
+    assert not widths and not fused  # every expert resident: no expert-major call
     got = {}
-    for concurrent in (True, False):
-        compute.set_concurrent_experts(concurrent)
+    for path in ("fused", "two at a time", "one at a time"):
+        compute.set_fused_experts(path == "fused")
+        compute.set_concurrent_experts(path == "two at a time")
         engine = _engine(prepared, expert_cache="3")
         try:
             widths.clear()
-            got[concurrent] = _alone(engine, PROMPTS, TOKENS)
+            fused.clear()
+            got[path] = _alone(engine, PROMPTS, TOKENS)
         finally:
             engine.shutdown()
+            compute.set_fused_experts(True)
             compute.set_concurrent_experts(True)
-        # Two streams where the kernel has two threads or more (one per core).
-        assert set(widths) == {min(2, len(os.sched_getaffinity(0))) if concurrent else 1}
-    assert got[True] == got[False] == expected
+        assert fused and set(fused) == {path == "fused"}
+        if path == "fused":
+            assert not widths  # one stream: the op spreads each part over the cores
+        else:
+            # Two streams where the kernel has two threads or more (one per core).
+            two = min(2, len(os.sched_getaffinity(0)))
+            assert set(widths) == {two if path == "two at a time" else 1}
+    assert got["fused"] == got["two at a time"] == got["one at a time"] == expected
     assert len(expected[0]) == TOKENS and expected[0] != expected[1]

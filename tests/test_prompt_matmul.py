@@ -75,6 +75,69 @@ def test_weight_is_dequantized_in_slices(monkeypatch):
     np.testing.assert_allclose(np.array(sliced), np.array(whole), rtol=1e-6, atol=1e-6)
 
 
+def test_a_kept_weight_is_dequantized_once_with_the_same_numbers(monkeypatch):
+    """keep_dequantized (a layer-major prefill's round): a linear called on several chunks
+    dequantizes its weight once, and each chunk's output is the one made without keeping."""
+    plain = quantized(bias=True)
+    prompt = as_prompt(plain)
+    chunks = [mx.random.normal((1, n, 256), key=mx.random.key(20 + n)) for n in (12, 12, 5)]
+    alone = [prompt(x) for x in chunks]
+    calls = []
+    real = prompt_matmul._dequantize
+
+    def spy(w, *args, **kwargs):
+        calls.append(w.shape[0])
+        return real(w, *args, **kwargs)
+
+    monkeypatch.setattr(prompt_matmul, "_dequantize", spy)
+    with prompt_matmul.keep_dequantized():
+        kept = [prompt(x) for x in chunks]
+        assert calls == [96]
+        # Another weight in the same module (a streamed layer's arrays swapped): made afresh.
+        other = quantized(bias=True, bits=8)
+        prompt.update(other.parameters())
+        prompt.bits = 8
+        swapped = prompt(chunks[0])
+        assert calls == [96, 96]
+    assert all(mx.array_equal(a, b).item() for a, b in zip(alone, kept, strict=True))
+    np.testing.assert_allclose(np.array(swapped), np.array(other(chunks[0])), rtol=1e-4, atol=1e-4)
+    prompt(chunks[0])  # the block is over: nothing is kept
+    assert calls == [96, 96, 96]
+    assert prompt_matmul._kept.slices is None
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_large_weights_take_the_kernel_as_decode_does(monkeypatch, bits):
+    """A weight whose float copy reaches KERNEL_MIN_FLOAT_BYTES runs its prompt rows on
+    flashserve's kernel (never dequantized): each row is what a decode step computes."""
+    ext = qmm.extension()
+    if qmm.select("auto") != "fast" or not ext.avx512_active():
+        pytest.skip("the kernel's AVX-512 path does not run here")
+    plain = quantized(bias=True, bits=bits)
+    prompt = as_prompt(plain)
+    prompt.__class__ = qmm._fast_class(PromptQuantizedLinear)
+    x = mx.random.normal((1, 20, 256), key=mx.random.key(30))
+    calls = []
+    real = prompt_matmul._dequantize
+    monkeypatch.setattr(
+        prompt_matmul, "_dequantize", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    blas_rows = prompt(x)
+    assert calls == [1]  # 96 x 256 floats: far below the threshold, dequantize + BLAS
+    monkeypatch.setattr(prompt_matmul, "KERNEL_MIN_FLOAT_BYTES", 96 * 256 * 4)
+    assert prompt_matmul.on_kernel(prompt, x)
+    kernel_rows = prompt(x)
+    assert calls == [1]
+    one_by_one = mx.concatenate([prompt(x[:, i : i + 1]) for i in range(20)], axis=1)
+    assert mx.array_equal(kernel_rows, one_by_one).item()
+    np.testing.assert_allclose(np.array(kernel_rows), np.array(blas_rows), rtol=1e-4, atol=1e-4)
+    qmm.set_avx512(False)
+    try:
+        assert not prompt_matmul.on_kernel(prompt, x)  # AVX2's kernel: the BLAS is faster
+    finally:
+        qmm.set_avx512(True)
+
+
 def test_loaded_quantized_model_uses_it_and_keeps_its_output(tmp_path):
     path = make_model_dir(tmp_path / "q4", "llama", quantize_bits=4)  # an untied LM head
     loaded = load(EngineConfig(model=str(path)))

@@ -25,8 +25,10 @@ MoE of Qwen3-30B-A3B's layer shape (hidden 2048, 64 experts of 768, top-8;
 cache warm, prefilled with a 100 MB expert cache (nearly every expert read,
 experts/prefill.py) and with every expert resident, each on every core and
 on one thread (`one_thread`), and the expert-major one also on every core
-with one expert at a time (as before issue 46: only the kernel's pool splits
-its matmuls), in interleaved rounds: prompt tokens/s, cores
+through mlx-lm's SwitchGLU instead of one op per expert (experts/compute.py
+fused_glu), two experts at a time on two streams and one at a time (as
+before issue 46: only the kernel's pool splits its matmuls), in interleaved
+rounds: prompt tokens/s, cores
 busy (process CPU time / wall time), CPU spread (CPU time over the busiest
 thread's), idle-machine tok/s (`_compute_row`: from CPU times, which other
 jobs on the cores do not lengthen) and the seconds the prefill waited on
@@ -48,7 +50,7 @@ from flashserve.engine.bench.common import bench_model, print_table, start_engin
 from flashserve.engine.bench.layers import parallel_read_speed
 from flashserve.engine.compute import cores, prompt_matmul, qmm
 from flashserve.engine.config import EngineConfig
-from flashserve.engine.experts.compute import set_concurrent_experts
+from flashserve.engine.experts.compute import set_concurrent_experts, set_fused_experts
 from flashserve.engine.generation.requests import (
     ErrorEvent,
     GenerationRequest,
@@ -401,20 +403,26 @@ def run_expert_major(work_dir: Path, *, quick: bool = False) -> list[dict]:
         "every expert resident": {},
     }
     for label, knobs in runs.items():
-        modes = [(every, False, True), ("one thread", True, True)]
-        if knobs:  # before: one expert at a time, its matmuls split over the kernel's pool
-            modes.insert(1, (f"{every}, one expert at a time", False, False))
+        # (name, one thread, fused, template experts two at a time)
+        modes = [(every, False, True, True), ("one thread", True, True, True)]
+        if knobs:  # the template: two experts at a time; one (before issue 46)
+            modes[1:1] = [
+                (f"{every}, template, two experts at a time", False, False, True),
+                (f"{every}, template, one expert at a time", False, False, False),
+            ]
         engine = _engine(prepared, 512, **knobs)
         best: dict[str, list[float]] = {}
         try:
             _ttft(engine, _prompt(16, 1), [])  # warm up
             for n in range(rounds):
-                for name, single, concurrent in modes:
+                for name, single, fused, concurrent in modes:
+                    set_fused_experts(fused)
                     set_concurrent_experts(concurrent)
                     try:
                         with one_thread(single):
                             got = _compute_row(engine, prompt)
                     finally:
+                        set_fused_experts(True)
                         set_concurrent_experts(True)
                     log.info(
                         "%s, round %d, %s: %.0f tok/s, %.2f cores busy, spread %.2f",
@@ -428,7 +436,7 @@ def run_expert_major(work_dir: Path, *, quick: bool = False) -> list[dict]:
         finally:
             engine.shutdown()
         base = best["one thread"]
-        for name, single, _ in modes:
+        for name, single, *_ in modes:
             ratios = ["-", "-"] if single else [best[name][i] / base[i] for i in (0, 3)]
             rows.append([label, name, *best[name], *ratios])
     print_table(
@@ -454,6 +462,8 @@ def run_expert_major(work_dir: Path, *, quick: bool = False) -> list[dict]:
         ratio = float(rows[0][i]) / float(resident[i])  # type: ignore[arg-type]
         print(f"  expert-major / resident, all cores, {name}: {ratio:.2f}x")
         ratio = float(rows[0][i]) / float(rows[1][i])  # type: ignore[arg-type]
+        print(f"  expert-major, one op per expert / template two at once, {name}: {ratio:.2f}x")
+        ratio = float(rows[1][i]) / float(rows[2][i])  # type: ignore[arg-type]
         print(f"  expert-major, two experts at once / one at a time, {name}: {ratio:.2f}x")
     keys = ("model", "threads", "tokens_per_s", "cores_busy", "cpu_spread", "idle_tokens_per_s")
     return [dict(zip(keys, r[:6], strict=True)) for r in rows]

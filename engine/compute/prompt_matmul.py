@@ -21,6 +21,15 @@ weight dequantized by flashserve's op on the kernel's threads
 (csrc/prompt_dequant.cpp) instead of MLX's one-thread mx.dequantize. Both
 give the one-thread path's numbers bit for bit (MIN_THREADED_ROWS says
 when), so tokens do not change; `set_parallel(False)` is that path.
+
+Weights whose float copy would be 32 MB or more (KERNEL_MIN_FLOAT_BYTES: a
+large model's attention and MLP) skip the copy: with flashserve's AVX-512
+kernel for their width, their prompt rows go to it as a decode step's do,
+measured faster than copy + BLAS there (issue 46). The choice depends on
+the weights only, so it is the same for every prompt and chunking.
+Elsewhere a layer-major prefill (generation/prefill.py) runs a layer's
+chunks inside `keep_dequantized`, which makes each float copy once per
+layer instead of once per chunk.
 """
 
 from __future__ import annotations
@@ -90,12 +99,85 @@ def decode_rows(tokens: int) -> Iterator[None]:
         _decode_rows.pop()
 
 
+class _Kept:
+    """Dequantized weights kept for reuse while `keep_dequantized` is open; None: not kept."""
+
+    slices: dict[int, tuple[mx.array, mx.Dtype, list[mx.array]]] | None = None
+
+
+_kept = _Kept()
+
+
+@contextmanager
+def keep_dequantized() -> Iterator[None]:
+    """Within the block, each linear dequantizes its weight once and reuses it.
+
+    A layer-major prefill (generation/prefill.py) runs every chunk of a prompt
+    through one layer before the next: without this each chunk would make the
+    layer's float weights again, and under a memory limit each of those large
+    blocks is a fresh map, faulted in and zeroed page by page (issue 46: at
+    256-token chunks that cost as much as the matmuls). The weights are kept
+    only until the block ends, so at most one layer's are held. The numbers
+    are the same: the same dequantize, the same matmul.
+    """
+    outer = _kept.slices
+    _kept.slices = {}
+    try:
+        yield
+    finally:
+        _kept.slices = outer
+
+
+# From this size of float copy on, a weight's prompt rows go to flashserve's
+# kernel (compute/qmm.py) instead. glibc maps a block this large afresh each
+# time, so the copy is faulted in page by page on every use: a 2048 x 4096
+# 4-bit weight on 256 rows took 1.5x as long as dequantize + MKL on two
+# cores as on the kernel (153 against 93-101 GFLOP/s, measured here), where
+# 8-24 MB copies were a wash (0.92-1.14x) and smaller ones favour the BLAS.
+# In the cap bench's MoE, three 256-token chunks through a layer's attention
+# (the copies made once, keep_dequantized) took 320 ms against 344 (best of 6).
+KERNEL_MIN_FLOAT_BYTES = 32 << 20
+KERNEL_BITS = (4, 8)  # the widths of the kernel's AVX-512 path
+
+
+def on_kernel(module: nn.QuantizedLinear, x: mx.array) -> bool:
+    """Whether `module`'s prompt rows run on flashserve's kernel (see KERNEL_MIN_FLOAT_BYTES).
+
+    Decided by the weights alone, the same for every prompt, so a prompt's
+    numbers do not depend on how it is chunked or cached; linears that share
+    an input (q, k, v) decide together, since the kernel computes them in
+    one call (compute/qmm.py: _Siblings).
+    """
+    ext = qmm.extension() if qmm.active() else None
+    if ext is None or x.dtype != mx.float32 or not isinstance(module, qmm.FastQuantizedLinear):
+        return False
+    siblings = getattr(module, "_qmm_siblings", None)
+    members = siblings.members if siblings is not None and qmm.fusion() else [module]
+    if not ext.avx512_active() or any(
+        m.bits not in KERNEL_BITS or getattr(m, "mode", "affine") != "affine" for m in members
+    ):
+        return False
+    return max(_float_bytes(m, x.dtype) for m in members) >= KERNEL_MIN_FLOAT_BYTES
+
+
+def _float_bytes(module: nn.QuantizedLinear, dtype: mx.Dtype) -> int:
+    rows, groups = module["scales"].shape[-2:]
+    return rows * groups * module.group_size * dtype.size
+
+
 class PromptQuantizedLinear(nn.QuantizedLinear):
     """A QuantizedLinear whose multi-token inputs run as dequantize + float matmul."""
 
     def __call__(self, x: mx.array) -> mx.array:
         if x.ndim < 3 or x.shape[-2] <= _decode_rows[-1]:
             return super().__call__(x)
+        if on_kernel(self, x):
+            y = super().__call__(x)
+            # Computed now, as the BLAS path computes each slice: a chunk's work
+            # up to here is done before the next chunk's is built, or a
+            # layer-major prefill would hold every chunk's activations at once.
+            mx.eval(y)
+            return y
         weight, scales = self["weight"], self["scales"]
         biases = self.get("biases")
         rows = weight.shape[0]
@@ -103,19 +185,30 @@ class PromptQuantizedLinear(nn.QuantizedLinear):
         step = max(1, SLICE_BYTES // (in_features * x.dtype.size))
         outputs = []
         threads = prompt_threads() if x.shape[-2] >= MIN_THREADED_ROWS else 1
-        for start in range(0, rows, step):
+        kept = _kept.slices
+        # By identity: a streamed layer's arrays are swapped between uses.
+        reuse = None if kept is None else kept.get(id(self))
+        if reuse is not None and (reuse[0] is not weight or reuse[1] != x.dtype):
+            reuse = None
+        made: list[mx.array] = []
+        for i, start in enumerate(range(0, rows, step)):
             part = slice(start, start + step)
-            # In x's dtype: dequantize computes in the scales' dtype, and a GGUF's
-            # float16 scales (compute/half_scales.py) would round every weight.
-            dense = _dequantize(
-                weight[part],
-                scales[part].astype(x.dtype),
-                None if biases is None else biases[part].astype(x.dtype),
-                self.group_size,
-                self.bits,
-                self.mode,
-                x.dtype,
-            )
+            if reuse is not None:
+                dense = reuse[2][i]
+            else:
+                # In x's dtype: dequantize computes in the scales' dtype, and a GGUF's
+                # float16 scales (compute/half_scales.py) would round every weight.
+                dense = _dequantize(
+                    weight[part],
+                    scales[part].astype(x.dtype),
+                    None if biases is None else biases[part].astype(x.dtype),
+                    self.group_size,
+                    self.bits,
+                    self.mode,
+                    x.dtype,
+                )
+                if kept is not None:  # else each slice goes as soon as it is used
+                    made.append(dense)
             outputs.append(x @ dense.T)
             # Computed now, so this slice's float weight is freed before the next
             # one (or the next layer's) is made: MLX would otherwise schedule the
@@ -124,6 +217,8 @@ class PromptQuantizedLinear(nn.QuantizedLinear):
             # included): all of it on every core.
             with blas.prompt_threads(threads):
                 mx.eval(outputs[-1])
+        if kept is not None and made:
+            kept[id(self)] = (weight, x.dtype, made)
         y = outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=-1)
         if "bias" in self:
             y = y + self["bias"]

@@ -12,14 +12,16 @@ experts and where their tensors come from).
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 from mlx import nn
+from mlx_lm.models import switch_layers
 
-from flashserve.engine.compute import qmm
+from flashserve.engine.compute import qmm, step_ops
 from flashserve.engine.experts.cache import ExpertCache
 from flashserve.engine.experts.store import SwitchLayout
 
@@ -125,8 +127,13 @@ def per_expert(
     """
     k = flat.shape[-1]
     outs, positions = [], []
+    fused = fused_glu(info, x2)
     for e in experts:
         rows, cols = np.nonzero(flat == e)
+        if fused is not None:
+            outs.append(fused(x2, rows, weights[int(e)]))
+            positions.append(rows * k + cols)
+            continue
         sub_x = (
             x2
             if len(rows) == x2.shape[0] and (rows == np.arange(len(rows))).all()
@@ -139,20 +146,85 @@ def per_expert(
     return outs, positions
 
 
-class _Concurrent:
-    on = True  # two experts at once where expert_streams() allows; off: one (bench compares)
+_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+def fused_glu(
+    info: OffloadLayer, x2: mx.array
+) -> Callable[[mx.array, np.ndarray, dict[str, mx.array]], mx.array] | None:
+    """One expert's whole SwitchGLU as one op of flashserve's kernel (csrc/expert_ops.cpp),
+    where the template is mlx-lm's plain SwitchGLU on the fast path; else None.
+
+    The op reads the expert's rows of x where they lie and keeps gate, up and
+    SwiGLU in reused buffers: none of the template's copies (its sort above
+    64 slots among them), one graph node instead of ten, each part on every
+    core. It computes what the template computes, number for number: the
+    same kernel per row, the same SwiGLU function (tests compare them).
+    """
+    ext = qmm.extension()
+    template = info.template
+    activation = getattr(template, "activation", None)
+    if not (
+        _paths.fused
+        and x2.dtype == mx.float32
+        and ext is not None
+        and hasattr(ext, "expert_glu")  # an extension built before the op has none
+        and step_ops.active()
+        and type(template).__call__ is switch_layers.SwitchGLU.__call__
+        and type(activation).__call__ is switch_layers.SwiGLU.__call__
+        and switch_layers.swiglu is step_ops.swiglu  # the op's SwiGLU is the template's
+    ):
+        return None
+    names: dict[str, dict[str, str]] = {}
+    for module, key, name in info.slots:
+        for proj in _PROJECTIONS:
+            if module is getattr(template, proj, None):
+                names.setdefault(proj, {})[key] = name
+    modules = [getattr(template, proj, None) for proj in _PROJECTIONS]
+    if not all(
+        isinstance(m, qmm.FastQuantizedSwitchLinear)
+        and getattr(m, "mode", "affine") == "affine"
+        and "bias" not in m
+        and set(names.get(proj, {})) == {"weight", "scales", "biases"}
+        for proj, m in zip(_PROJECTIONS, modules, strict=True)
+    ):
+        return None
+    group_sizes = [m.group_size for m in modules]
+    bits = [m.bits for m in modules]
+
+    def run(x: mx.array, rows: np.ndarray, tensors: dict[str, mx.array]) -> mx.array:
+        parts = [
+            [tensors[names[proj][key]] for key in ("weight", "scales", "biases")]
+            for proj in _PROJECTIONS
+        ]
+        return ext.expert_glu(x, mx.array(rows.astype(np.uint32)), *parts, group_sizes, bits)
+
+    return run
+
+
+class _Paths:
+    """How a prefill computes its experts (the bench and tests compare the paths)."""
+
+    fused = True  # one op per expert where fused_glu() allows; off: the template
+    concurrent = True  # the template's experts two at a time where expert_streams() allows
     # The second stream, made once per thread: MLX's streams belong to the thread
     # that made them (each engine's worker is a thread of its own).
     local = threading.local()
 
 
-_concurrent = _Concurrent()
+_paths = _Paths()
+
+
+def set_fused_experts(on: bool) -> None:
+    """A prefill's experts as one op each where fused_glu() allows (the default), or
+    through the template (the bench and tests compare both)."""
+    _paths.fused = on
 
 
 def set_concurrent_experts(on: bool) -> None:
-    """A prefill's experts two at a time on two streams (the default), or one at a time
-    on the current stream, as before issue 46 (the bench compares both)."""
-    _concurrent.on = on
+    """The template's experts two at a time on two streams (the default), or one at a
+    time on the current stream, as before issue 46 (the bench compares both)."""
+    _paths.concurrent = on
 
 
 def expert_streams() -> list[mx.Stream]:
@@ -168,13 +240,13 @@ def expert_streams() -> list[mx.Stream]:
     current = mx.default_stream(mx.default_device())
     ext = qmm.extension()
     # The kernel's thread count: one thread (the bench's one_thread) means one stream.
-    if not (_concurrent.on and qmm.active() and ext is not None and current.device == mx.cpu):
+    if not (_paths.concurrent and qmm.active() and ext is not None and current.device == mx.cpu):
         return [current]
     if ext.threads() < 2:
         return [current]
-    second = getattr(_concurrent.local, "stream", None)
+    second = getattr(_paths.local, "stream", None)
     if second is None:
-        second = _concurrent.local.stream = mx.new_stream(mx.cpu)
+        second = _paths.local.stream = mx.new_stream(mx.cpu)
     return [current, second]
 
 
@@ -232,7 +304,21 @@ def run_template(
 def restore_order(
     outs: list[mx.array], positions: list[np.ndarray], shape: tuple[int, ...]
 ) -> mx.array:
-    """Per-expert outputs back in token-slot order, shaped (*shape, hidden)."""
-    order = np.argsort(np.concatenate(positions), kind="stable")
-    y = mx.concatenate(outs, axis=0)[mx.array(order.astype(np.uint32))]
+    """Per-expert outputs back in token-slot order, shaped (*shape, hidden).
+
+    On flashserve's kernel one op copies each row to its slot on every core
+    (csrc/expert_ops.cpp: slot_rows); else a concatenation and a gather.
+    """
+    where = np.concatenate(positions)
+    ext = qmm.extension() if qmm.active() else None
+    if (
+        ext is not None
+        and hasattr(ext, "slot_rows")  # an extension built before the op has none
+        and len(where) == int(np.prod(shape))
+        and all(o.dtype == mx.float32 and o.ndim == 2 for o in outs)
+    ):
+        y = ext.slot_rows(outs, mx.array(where.astype(np.uint32)), len(where))
+    else:
+        order = np.argsort(where, kind="stable")
+        y = mx.concatenate(outs, axis=0)[mx.array(order.astype(np.uint32))]
     return y.reshape(*shape, y.shape[-1])

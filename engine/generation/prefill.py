@@ -48,6 +48,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from greenlet import greenlet
 
+from flashserve.engine.compute import prompt_matmul
 from flashserve.engine.experts.prefill import hold_room, release_room
 from flashserve.engine.weights.layout import find_layers
 from flashserve.engine.weights.model import ModelLoadError, compute_dtype
@@ -230,10 +231,11 @@ class LayerMajorPrefill:
         self._round = index
         streamed = self.streamer is not None and index in self.streamer.streamed_layers
         with self.streamer.holding(index) if streamed else nullcontext():
-            for chunk in chunks:
-                if chunk.last and chunk.job.prefix_state is not None:
-                    _snapshot(chunk.job, index)
-                self._resume(chunk)
+            with prompt_matmul.keep_dequantized():  # once per round, not per chunk
+                for chunk in chunks:
+                    if chunk.last and chunk.job.prefix_state is not None:
+                        _snapshot(chunk.job, index)
+                    self._resume(chunk)
             waiting = [c for c in chunks if c.message is not None and c.message[0] == "moe"]
             while waiting:
                 self._merged_moe(waiting)

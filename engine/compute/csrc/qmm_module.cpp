@@ -34,6 +34,7 @@
 #include "mlx/utils.h"
 #include "mlx/version.h"
 #include "graph_folds.h"
+#include "qmm_arrays.h"
 #include "qmm_kernels.h"
 #include "step_ops.h"
 
@@ -46,125 +47,12 @@ namespace {
 using flashserve_qmm::QmmProblem;
 using flashserve_qmm::ScaleType;
 
-ScaleType scale_type_of(const mx::array& a) {
-  if (a.dtype() == mx::float32) return ScaleType::f32;
-  if (a.dtype() == mx::float16) return ScaleType::f16;
-  if (a.dtype() == mx::bfloat16) return ScaleType::bf16;
-  throw std::invalid_argument("flashserve qmm: scales must be float32, float16 or bfloat16");
-}
-
-// An input as rows of contiguous elements: returns the first row and sets
-// `stride`, the distance between rows in elements. Inputs whose rows are not
-// evenly spaced with unit inner stride (rare: a transposed view) are copied
-// into `keep`; so are all of them when `copy` is set.
-template <class T>
-const T* rows_of(const mx::array& a, int64_t rows, int64_t cols, int64_t& stride,
-                 std::vector<char>& keep, bool copy = false) {
-  const auto& shape = a.shape();
-  const auto& strides = a.strides();
-  const int nd = a.ndim();
-  if (!copy && a.flags().row_contiguous) {
-    stride = cols;
-    return a.data<T>();
-  }
-  bool even = nd >= 1 && (strides[nd - 1] == 1 || shape[nd - 1] == 1);
-  for (int d = nd - 2; d > 0 && even; --d) {
-    even = shape[d - 1] == 1 || strides[d - 1] == strides[d] * shape[d];
-  }
-  if (!copy && even) {
-    stride = nd >= 2 ? strides[nd - 2] : cols;
-    return a.data<T>();
-  }
-  keep.resize(size_t(rows * cols) * sizeof(T));
-  T* dst = reinterpret_cast<T*>(keep.data());
-  const T* src = a.data<T>();
-  std::vector<int64_t> index(nd, 0);
-  for (int64_t i = 0; i < rows * cols; ++i) {
-    int64_t offset = 0;
-    for (int d = 0; d < nd; ++d) offset += index[d] * strides[d];
-    dst[i] = src[offset];
-    for (int d = nd - 1; d >= 0; --d) {
-      if (++index[d] < shape[d]) break;
-      index[d] = 0;
-    }
-  }
-  stride = cols;
-  return dst;
-}
-
-// x as M row pointers (rows of K contiguous floats): x's elements in order,
-// K at a time (x's last dimension is K, or x is a view's source: graph_folds.h).
-// Any layout whose last dimension is K and contiguous (slices, broadcasts)
-// is used in place; otherwise the rows are copied into `keep`.
-std::vector<const float*> x_rows(const mx::array& x, int64_t M, int K, std::vector<char>& keep) {
-  std::vector<const float*> rows(M);
-  const float* base = x.data<float>();
-  const int nd = x.ndim();
-  if (x.flags().row_contiguous) {
-    for (int64_t m = 0; m < M; ++m) rows[m] = base + m * K;
-    return rows;
-  }
-  if ((x.strides()[nd - 1] != 1 && K > 1) || x.shape(nd - 1) != K) {
-    int64_t stride = 0;
-    base = rows_of<float>(x, M, K, stride, keep, true);
-    for (int64_t m = 0; m < M; ++m) rows[m] = base + m * K;
-    return rows;
-  }
-  std::vector<int64_t> index(std::max(nd - 1, 0), 0);
-  for (int64_t m = 0; m < M; ++m) {
-    int64_t offset = 0;
-    for (int d = 0; d < nd - 1; ++d) offset += index[d] * x.strides()[d];
-    rows[m] = base + offset;
-    for (int d = nd - 2; d >= 0; --d) {
-      if (++index[d] < x.shape(d)) break;
-      index[d] = 0;
-    }
-  }
-  return rows;
-}
-
-// A weight's packed values, scales and biases as rows (`rows` of them: N, or
-// E * N for a stacked weight); scales and biases share one row stride.
-struct Weights {
-  const uint32_t* w;
-  const char* s;
-  const char* b;
-  int64_t w_stride;
-  int64_t s_stride;
-  std::vector<char> keep_w, keep_s, keep_b;  // copies of inputs not laid out as rows
-
-  Weights(const mx::array& w_, const mx::array& scales, const mx::array& biases, int64_t rows) {
-    w = rows_of<uint32_t>(w_, rows, w_.shape(-1), w_stride, keep_w);
-    if (scales.dtype() == mx::float32) {
-      resolve<float>(scales, biases, rows);
-    } else {
-      resolve<uint16_t>(scales, biases, rows);
-    }
-  }
-
-  template <class T>
-  void resolve(const mx::array& scales, const mx::array& biases, int64_t rows) {
-    const int64_t groups = scales.shape(-1);
-    int64_t b_stride;
-    s = reinterpret_cast<const char*>(rows_of<T>(scales, rows, groups, s_stride, keep_s));
-    b = reinterpret_cast<const char*>(rows_of<T>(biases, rows, groups, b_stride, keep_b));
-    if (s_stride != b_stride) {  // one layout for both: copy them
-      s = reinterpret_cast<const char*>(rows_of<T>(scales, rows, groups, s_stride, keep_s, true));
-      b = reinterpret_cast<const char*>(rows_of<T>(biases, rows, groups, b_stride, keep_b, true));
-    }
-  }
-};
-
-QmmProblem problem(int K, const mx::array& scales, int N, int gs, int bits) {
-  QmmProblem p{};
-  p.K = K;
-  p.N = N;
-  p.bits = bits;
-  p.group_size = gs;
-  p.scale_type = scale_type_of(scales);
-  p.out_stride = N;
-  return p;
-}
+using flashserve_arrays::inner_size;
+using flashserve_arrays::problem;
+using flashserve_arrays::rows_of;
+using flashserve_arrays::scale_type_of;
+using flashserve_arrays::Weights;
+using flashserve_arrays::x_rows;
 
 // Each row of x against its expert's matrix: `expert(e, p)` points p at
 // expert e's weights. Rows are grouped by expert and each expert runs once on
@@ -201,9 +89,6 @@ void gather_rows(const std::vector<const float*>& xr, const uint32_t* idx, int64
     start = end;
   }
 }
-
-// K: the values in a row of w.
-int inner_size(const mx::array& w, int bits) { return int(int64_t(w.shape(-1)) * 32 / bits); }
 
 // What a matmul op reads as x: the leading `count` inputs, either x itself
 // (or the array x views: graph_folds.h) or the inputs of the step op that

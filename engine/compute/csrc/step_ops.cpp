@@ -377,6 +377,10 @@ Prologue prologue_of(const mx::array& x) {
   return {};
 }
 
+void swiglu_rows(const float* gate, const float* x, float* out, int64_t rows, int cols) {
+  for (int64_t r = 0; r < rows; ++r) swiglu_row(gate + r * cols, x + r * cols, out + r * cols, cols);
+}
+
 void run_prologue(PrologueKind kind, float eps, const std::vector<mx::array>& in, float* out) {
   if (kind == PrologueKind::rms_norm) {
     rms_norm_compute(in[0], in.size() > 1 ? &in[1] : nullptr, out, eps);
@@ -392,6 +396,7 @@ void add_step_ops(nb::module_& m) {
   add_cache_write(m);
   add_prompt_softmax(m);
   add_prompt_dequant(m);
+  add_expert_ops(m);
   m.def("rms_norm", &rms_norm, "x"_a, "weight"_a, "eps"_a,
         "x * rsqrt(mean(x^2, -1) + eps) * weight as one op (float32); weight: [] or [w]");
   m.def("rope", &rope, "x"_a, "offset"_a, "freqs"_a, "dims"_a, "traditional"_a, "base"_a,

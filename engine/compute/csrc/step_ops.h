@@ -23,6 +23,9 @@ void add_prompt_softmax(nanobind::module_& m);
 // Adds dequantize (prompt_dequant.cpp).
 void add_prompt_dequant(nanobind::module_& m);
 
+// Adds expert_glu and slot_rows (expert_ops.cpp).
+void add_expert_ops(nanobind::module_& m);
+
 namespace flashserve_step {
 
 // A step op whose result feeds a quantized matmul (RMSNorm before q/k/v and
@@ -44,5 +47,9 @@ Prologue prologue_of(const mlx::core::array& x);
 // That op's result for `inputs` (evaluated), row-major into `out`.
 void run_prologue(PrologueKind kind, float eps, const std::vector<mlx::core::array>& inputs,
                   float* out);
+
+// swiglu's numbers for `rows` contiguous rows of `cols` (gate, x, out): row by
+// row, as the swiglu op computes them (its vector and tail paths split by row).
+void swiglu_rows(const float* gate, const float* x, float* out, int64_t rows, int cols);
 
 }  // namespace flashserve_step
