@@ -4,7 +4,8 @@
                    set once as a model loads.
 - `blas`           which BLAS serves MLX's float matmuls on Linux (MKL or the
                    bundled reference); must be chosen before MLX is imported.
-- `prompt_matmul`  quantized linears take prompt chunks as dequantize + BLAS.
+- `prompt_matmul`  quantized linears take prompt chunks as dequantize + BLAS
+                   (large weights: flashserve's kernel, no float copy).
 - `qmm`            quantized matmuls with few rows on flashserve's CPU kernel
                    (csrc/, the compiled `_qmm`), MLX's kernel where it cannot run.
 - `step_ops`      RMSNorm, RoPE, decode attention, SwiGLU and log-sum-exp as

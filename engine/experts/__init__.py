@@ -6,7 +6,8 @@
 - `cache`    the cache (capacity in slots or bytes) and its policies (LRU,
              LFU, Belady for replay).
 - `compute`  the arithmetic of an offloaded call: mlx-lm's SwitchGLU, one
-             expert at a time, bit-identical to the resident model.
+             expert at a time (or as one op of flashserve's kernel, the same
+             numbers), bit-identical to the resident model.
 - `offload`  ExpertOffload: per MoE call, look up, read, compute.
 - `prefetch` next-layer prefetch: the next router's guess read early, its bytes
              out of the cache's.
