@@ -27,6 +27,9 @@ from flashserve.engine.experts.store import SwitchLayout
 
 EMPTY = mx.zeros((0,))
 
+# One expert's SwitchGLU as one op: (x, the expert's rows of x, its tensors) -> output rows.
+GluOp = Callable[[mx.array, np.ndarray, dict[str, mx.array]], mx.array]
+
 
 @dataclass
 class OffloadLayer:
@@ -118,8 +121,10 @@ def per_expert(
     flat: np.ndarray,
     experts: np.ndarray,
     weights: dict[int, dict[str, mx.array]],
+    fused: GluOp | None = None,
 ) -> tuple[list[mx.array], list[np.ndarray]]:
-    """Run the template once per expert on the token slots routed to it.
+    """Run the template once per expert on the token slots routed to it, or `fused`
+    (fused_glu's op for this call, asked once by the caller) where given.
 
     Each expert's tensors go in as a one-expert stack (`w[None]`, a view,
     no copy) with indices all 0, so the arithmetic per slot is the same
@@ -127,7 +132,6 @@ def per_expert(
     """
     k = flat.shape[-1]
     outs, positions = [], []
-    fused = fused_glu(info, x2)
     for e in experts:
         rows, cols = np.nonzero(flat == e)
         if fused is not None:
@@ -149,9 +153,7 @@ def per_expert(
 _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
-def fused_glu(
-    info: OffloadLayer, x2: mx.array
-) -> Callable[[mx.array, np.ndarray, dict[str, mx.array]], mx.array] | None:
+def fused_glu(info: OffloadLayer, x2: mx.array) -> GluOp | None:
     """One expert's whole SwitchGLU as one op of flashserve's kernel (csrc/expert_ops.cpp),
     where the template is mlx-lm's plain SwitchGLU on the fast path; else None.
 

@@ -44,6 +44,7 @@ from flashserve.engine.experts.compute import (
     OffloadLayer,
     built_ahead,
     compute,
+    fused_glu,
     per_expert,
     restore_order,
     run_template,
@@ -389,11 +390,12 @@ class ExpertOffload:
         flat = ids.reshape(-1, k)
         x2 = x.reshape(-1, x.shape[-1])
         outs, positions = [], []
+        fused = fused_glu(info, x2)
         for i, chunk in enumerate(chunks):
             experts = np.array([e for _, e in chunk])
             try:
                 weights = self._acquire(info, chunk, pending, predicted if i == 0 else None)
-                chunk_outs, chunk_positions = per_expert(info, x2, flat, experts, weights)
+                chunk_outs, chunk_positions = per_expert(info, x2, flat, experts, weights, fused)
                 # Evaluate before the next chunk evicts these experts, so memory
                 # stays within the cache capacity.
                 mx.eval(chunk_outs)

@@ -49,7 +49,6 @@ using flashserve_qmm::ScaleType;
 
 using flashserve_arrays::inner_size;
 using flashserve_arrays::problem;
-using flashserve_arrays::rows_of;
 using flashserve_arrays::scale_type_of;
 using flashserve_arrays::Weights;
 using flashserve_arrays::x_rows;
