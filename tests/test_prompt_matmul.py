@@ -233,6 +233,10 @@ from flashserve.engine.compute import cores, prompt_matmul, qmm
 from flashserve.engine.config import EngineConfig
 from flashserve.engine.loader import load
 
+if sys.argv[2] == "kernel":  # every linear's prompt rows on flashserve's kernel
+    prompt_matmul.KERNEL_MIN_FLOAT_BYTES = 0
+fast = qmm.select("auto") == "fast"
+kernel = sys.argv[2] == "kernel" and fast and qmm.extension().avx512_active()
 counts = []
 real = blas._set_threads
 def spy(n):
@@ -267,19 +271,22 @@ for on in (False, True):
         for chunks in ([240], [200, 40], [229, 11], [3, 237], [120, 5, 115])
     }
     out["inside" + str(on)] = sorted(set(inside))
-print(json.dumps({"out": out, "counts": counts, "threaded": blas.threaded(),
+print(json.dumps({"out": out, "counts": counts, "threaded": blas.threaded(), "kernel": kernel,
                   "usable": prompt_matmul.prompt_threads(), "after": blas.mkl_threads()}))
 """
 
 
-def test_every_core_prefill_gives_the_one_thread_numbers(tmp_path):
+@pytest.mark.parametrize("linears", ["blas", "kernel"])
+def test_every_core_prefill_gives_the_one_thread_numbers(tmp_path, linears):
     """Prompt chunks on every core (threaded MKL, flashserve's dequantize) give the logits
     of one thread with MLX's dequantize bit for bit, whatever the chunking (cold, after a
     cached prefix of 3 to 229 tokens); MKL gets every usable core inside a chunk of >= 16
-    rows and one after it."""
+    rows and one after it. Also where every linear's prompt rows take flashserve's kernel
+    (weights of KERNEL_MIN_FLOAT_BYTES and more): attention's matmuls, computed with
+    o_proj's input, still get every core."""
     path = make_model_dir(tmp_path / "q4", "llama", quantize_bits=4)
     result = subprocess.run(
-        [sys.executable, "-c", PARALLEL_PROBE, str(path)],
+        [sys.executable, "-c", PARALLEL_PROBE, str(path), linears],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -302,4 +309,7 @@ def test_every_core_prefill_gives_the_one_thread_numbers(tmp_path):
         assert {n for n, _ in counts} == {got["usable"], 1}
         assert (got["usable"], 1) in counts and (1, got["usable"]) in counts
         assert got["after"] == 1
-        assert got["out"]["insideFalse"] == [1]  # one thread before issue 42's change
+        if got["kernel"]:  # nothing dequantized: the kernel took every linear
+            assert got["out"]["insideTrue"] == got["out"]["insideFalse"] == []
+        else:
+            assert got["out"]["insideFalse"] == [1]  # one thread before issue 42's change

@@ -171,12 +171,17 @@ class PromptQuantizedLinear(nn.QuantizedLinear):
     def __call__(self, x: mx.array) -> mx.array:
         if x.ndim < 3 or x.shape[-2] <= _decode_rows[-1]:
             return super().__call__(x)
+        threads = prompt_threads() if x.shape[-2] >= MIN_THREADED_ROWS else 1
         if on_kernel(self, x):
             y = super().__call__(x)
             # Computed now, as the BLAS path computes each slice: a chunk's work
             # up to here is done before the next chunk's is built, or a
             # layer-major prefill would hold every chunk's activations at once.
-            mx.eval(y)
+            # That work includes attention's matmuls when this is o_proj: on
+            # every core, as under a BLAS linear (on one they took 1.2 s of
+            # the cap bench's 14 s prefill).
+            with blas.prompt_threads(threads):
+                mx.eval(y)
             return y
         weight, scales = self["weight"], self["scales"]
         biases = self.get("biases")
@@ -184,7 +189,6 @@ class PromptQuantizedLinear(nn.QuantizedLinear):
         in_features = scales.shape[-1] * self.group_size
         step = max(1, SLICE_BYTES // (in_features * x.dtype.size))
         outputs = []
-        threads = prompt_threads() if x.shape[-2] >= MIN_THREADED_ROWS else 1
         kept = _kept.slices
         # By identity: a streamed layer's arrays are swapped between uses.
         reuse = None if kept is None else kept.get(id(self))
