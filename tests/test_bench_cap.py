@@ -38,6 +38,11 @@ def test_quick_cap_section_serves_in_a_cgroup_and_prints_its_row(tmp_path: Path)
     assert _number(row["turn-1 decode tok/s"]) > 0
     assert _number(row["experts MB"]) > 0
     assert _number(row["cgroup peak MB"]) <= 400
+    # The I/O bound: the disk's speed measured beside the decode / the bytes it read.
+    assert _number(row["disk GB/s before"]) > 0 and _number(row["disk GB/s at decode"]) > 0
+    if row["MB read/token"] not in ("-", "0"):
+        bound = _number(row["disk GB/s at decode"]) * 1e3 / _number(row["MB read/token"])
+        assert _number(row["I/O bound tok/s"]) == pytest.approx(bound, rel=0.15), row
     # The next turn resends the prompt and the answer: it reuses more than the prompt.
     assert _number(row["next reused"]) > _number(row["prompt tokens"])
     assert "next-turn TTFT / TTFT" in proc.stdout.split("Cap targets")[1]

@@ -24,9 +24,11 @@ Per run:
 - decode: turn 1's prompt again (cached by both servers), `--tokens` sampled
   at temperature 1 with EOS banned, which routes like free text: decode
   tokens/s, bytes read from disk per token (/proc/PID/io), the expert
-  cache's hit rate, and the I/O bound: the disk's cold read speed measured
-  before the run (the better of one reader through the GGUF and random
-  expert-record reads by 4 and 8 readers) / those bytes.
+  cache's hit rate, and the I/O bound: the disk's speed for random
+  expert-record reads around the page cache (the better of 4 and 8
+  readers), the mean of one measurement just before the decode and one just
+  after, / those bytes. The disk's speed before the run (the better of one
+  reader through the GGUF and those reads) is printed beside it.
 Also: private memory (RssAnon) after turn 1 and its peak (sampled every
 50 ms; the peak per phase is logged), and, for flashserve, the part besides
 resident weights, experts and KV (/memory); the group's peak
@@ -45,23 +47,23 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from flashserve.engine.bench.common import print_table
+from flashserve.engine.bench.common import free_port, print_table
 from flashserve.engine.experts.cache import Capacity
 from flashserve.engine.streaming.diskio import (
+    best_random_read_speed,
     drop_page_cache,
     measure_read_speed,
-    random_read_speed,
 )
 from flashserve.engine.weights.gguf.synthetic import CAP_MOE, FORMAT, QUICK_CAP_MOE, write_moe_gguf
 from flashserve.engine.weights.layout import is_current
@@ -79,6 +81,7 @@ NEXT_TURN = " And then what happened next? Tell me more."
 EOS_BIAS = -100
 WORD_BIAS = 30
 FREE_SEED = 0
+DECODE_DISK_BYTES = 256 << 20  # each disk measurement beside the free decode (~0.2 s)
 
 
 @dataclass
@@ -90,7 +93,8 @@ class CapRun:
     ttft_s: float | None = None
     decode_tps: float | None = None  # the free decode (uniform routing), see _free_decode
     read_bytes_per_token: float | None = None
-    disk_bytes_per_s: float = 0.0
+    disk_bytes_per_s: float = 0.0  # before the server starts
+    decode_disk_bytes_per_s: float | None = None  # just before and after the free decode
     io_bound_tps: float | None = None
     hit_rate: float | None = None  # the free decode's
     biased_decode_tps: float | None = None  # turn 1's decode (logit bias: skewed routing)
@@ -129,12 +133,6 @@ def parse_cap(text: str) -> int:
     """'1.2GB' -> 1_200_000_000 bytes, '1GiB' -> 1 << 30, '500000000' -> bytes."""
     parsed = Capacity.parse(text)
     return int(parsed.nbytes if parsed.nbytes is not None else parsed.slots or 0)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _group(cap: int, tag: str) -> Path:
@@ -251,6 +249,7 @@ def _one_run(
     prompt: str,
     bias: dict[str, float],
     speed: float,
+    disk_now: Callable[[], float],
     llama: Path | None,
     workdir: Path,
 ) -> CapRun:
@@ -260,7 +259,7 @@ def _one_run(
     run.disk_bytes_per_s = speed
     drop_page_cache(model)
     group = _group(cap, f"{kind}-{rnd}")
-    port = _free_port()
+    port = free_port()
     workdir = workdir / f"{kind}-{rnd}"
     shutil.rmtree(workdir, ignore_errors=True)  # a cold first turn: no prompt cache left
     workdir.mkdir(parents=True)
@@ -313,6 +312,7 @@ def _one_run(
         # prompt is turn 1's, cached by both servers, so this request is decode.
         counts = _expert_counts(client) if kind == "flashserve" else None
         peak.phase("free decode")
+        before = disk_now()
         free = _stream(
             client,
             process.pid,
@@ -323,10 +323,15 @@ def _one_run(
                 "logit_bias": {k: v for k, v in bias.items() if v == EOS_BIAS},
             },
         )
+        after = disk_now()
+        log.info(
+            "disk beside the free decode: %.2f GB/s before, %.2f after", before / 1e9, after / 1e9
+        )
+        run.decode_disk_bytes_per_s = (before + after) / 2
         run.decode_tps = _tps(free)
         run.read_bytes_per_token = free.read_bytes / max(free.tokens - 1, 1)
         if run.read_bytes_per_token > 0:
-            run.io_bound_tps = speed / run.read_bytes_per_token
+            run.io_bound_tps = run.decode_disk_bytes_per_s / run.read_bytes_per_token
         if kind == "flashserve":
             run.hit_rate = _hit_rate(counts, _expert_counts(client))
     except (RuntimeError, httpx.HTTPError) as exc:
@@ -354,6 +359,10 @@ def _one_run(
     return run
 
 
+def _expert_files(prepared: Path) -> list[Path]:
+    return sorted((prepared / "experts").glob("*.safetensors"))
+
+
 def disk_speed(gguf_path: Path, prepared: Path, record: int) -> tuple[float, float]:
     """The disk's cold read speed, bytes/s: (one reader through the GGUF, as
     llama-server's mmap reads ahead; `record`-sized reads at random places in the
@@ -361,15 +370,7 @@ def disk_speed(gguf_path: Path, prepared: Path, record: int) -> tuple[float, flo
     it, as the expert cache reads). Measured before each run, after the page
     cache is dropped."""
     sequential = measure_read_speed(gguf_path)
-    files = sorted((prepared / "experts").glob("*.safetensors"))
-    scattered = max(
-        (
-            random_read_speed(files, record, threads, direct=direct)
-            for threads in (4, 8)
-            for direct in (False, True)
-        ),
-        default=0.0,
-    )
+    scattered = best_random_read_speed(_expert_files(prepared), record)
     log.info(
         "disk: %.2f GB/s one reader, %.2f GB/s random %.1f MB reads",
         sequential / 1e9,
@@ -455,6 +456,7 @@ def run(
         for entry in manifest["layers"]
         for sw in (entry.get("experts") or {}).get("switches", [])
     )
+    files = _expert_files(prepared)
     servers = [("flashserve", prepared)]
     if llama_server is not None:
         servers.append(("llama", gguf_path))
@@ -472,6 +474,9 @@ def run(
                 prompt=prompt,
                 bias=bias,
                 speed=speed,
+                disk_now=lambda: best_random_read_speed(
+                    files, record, direct=(True,), total=DECODE_DISK_BYTES
+                ),
                 llama=llama_server,
                 workdir=work_dir / "cap-runs",
             )
@@ -528,7 +533,8 @@ HEADER = [
     "turn-1 hit rate",
     "decode tok/s",
     "MB read/token",
-    "disk GB/s",
+    "disk GB/s before",
+    "disk GB/s at decode",
     "I/O bound tok/s",
     "hit rate",
     "private MB",
@@ -553,6 +559,7 @@ def _cells(r: CapRun) -> list[object]:
         _num(r.decode_tps, ".2f"),
         _mb(r.read_bytes_per_token),
         f"{r.disk_bytes_per_s / 1e9:.2f}",
+        _num(None if r.decode_disk_bytes_per_s is None else r.decode_disk_bytes_per_s / 1e9, ".2f"),
         _num(r.io_bound_tps, ".2f"),
         _num(r.hit_rate, ".1%"),
         _mb(r.private_bytes),

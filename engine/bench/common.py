@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,13 @@ from flashserve.engine.weights.synthetic import make_model_dir
 log = logging.getLogger(__name__)
 
 DEFAULT_WORK_DIR = Path.home() / ".cache" / "flashserve" / "bench"
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (a server the bench starts)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def bench_model(

@@ -21,7 +21,6 @@ import json
 import logging
 import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flashserve.engine.bench.batch import BATCH_MODEL
-from flashserve.engine.bench.common import bench_model, print_table
+from flashserve.engine.bench.common import bench_model, free_port, print_table
 
 log = logging.getLogger(__name__)
 
@@ -47,12 +46,6 @@ class Result:
     ttft_s: float
     tokens_per_s: float
     transfer_s_per_step: float | None  # rank 0 blocked in transfers, per step
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _get(url: str) -> tuple[int, str]:
@@ -109,7 +102,7 @@ def _transfer_per_step(url: str) -> float | None:
 
 
 def _serve(model: Path, ranks: int, tokens: int, rounds: int, work: Path) -> Result:
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "flashserve.server.cli", "serve", "--model", str(model)]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--prompt-cache-bytes", "0"]
@@ -117,7 +110,7 @@ def _serve(model: Path, ranks: int, tokens: int, rounds: int, work: Path) -> Res
     if ranks > 1:
         hostfile = work / "hosts.json"
         hostfile.write_text(json.dumps(HOSTS[:ranks]))
-        cmd += ["--hostfile", str(hostfile), "--distributed-port", str(_free_port())]
+        cmd += ["--hostfile", str(hostfile), "--distributed-port", str(free_port())]
     log_file = open(work / f"serve-{ranks}.log", "wb")  # noqa: SIM115 - closed below
     process = subprocess.Popen(
         cmd, cwd=work, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True

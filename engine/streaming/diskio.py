@@ -86,3 +86,22 @@ def random_read_speed(
             os.close(fd)
         for buffer in buffers:
             buffer.close()
+
+
+def best_random_read_speed(
+    files: list[Path],
+    record: int,
+    threads: tuple[int, ...] = (4, 8),
+    direct: tuple[bool, ...] = (False, True),
+    total: int = 1 << 30,
+) -> float:
+    """The best random_read_speed over these reader counts, through the page cache and
+    around it; 0.0 without files."""
+    return max(
+        (
+            random_read_speed(files, record, n, direct=d, total=total)
+            for n in threads
+            for d in direct
+        ),
+        default=0.0,
+    )
