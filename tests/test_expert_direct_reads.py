@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -100,5 +101,42 @@ def test_a_recycled_buffer_reads_the_next_record_whole(layouts: dict) -> None:
         mx.eval(again.record)
         assert again.buffer is first.buffer  # read into the same allocation
         assert np.array(again.record).tobytes() == _file_bytes(store, layer, 1)
+    finally:
+        store.close()
+
+
+def test_a_fresh_buffer_starts_its_read_without_waiting_for_the_mlx_stream(
+    layouts: dict,
+) -> None:
+    """A fresh record buffer comes unwritten from flashserve's extension: the read starts
+    at once, though the MLX stream is busy (a prefill's experts computing); zero-filled
+    on the stream, it waited for all of that first."""
+    from flashserve.engine.compute import qmm
+
+    qmm.select("auto")
+    ext = qmm.extension()
+    if ext is None or not hasattr(ext, "uninitialized_bytes"):
+        pytest.skip("flashserve's extension does not run here")
+    with pytest.raises(ValueError):
+        ext.uninitialized_bytes(0)
+    store = ExpertStore(layouts, threads=1)
+    try:
+        layer = min(layouts)
+        busy = mx.random.uniform(shape=(16 << 20,), key=mx.random.key(0))
+        mx.eval(busy)
+        # ~1-2 s of work queued on the stream, in fewer ops than MLX keeps in flight
+        # before an eval blocks (async_eval returns at once), whatever the BLAS.
+        for _ in range(4):
+            busy = mx.sin(mx.exp(busy))
+        start = time.perf_counter()
+        mx.async_eval(busy)
+        future = store.submit(layer, 2)
+        submitted = time.perf_counter() - start
+        result = future.result()
+        mx.eval(busy)
+        total = time.perf_counter() - start
+        assert total > 0.3  # the stream was busy for a while
+        assert submitted < 0.25 * total, (submitted, total)
+        assert np.array(result.record).tobytes() == _file_bytes(store, layer, 2)
     finally:
         store.close()

@@ -47,6 +47,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from flashserve.engine.compute import qmm
 from flashserve.engine.weights.checksum import crc32
 from flashserve.engine.weights.reader import ReadPool, WeightFileError, can_view
 
@@ -287,13 +288,24 @@ class ExpertStore:
             )
 
     def _buffers(self, lengths: list[int]) -> list[mx.array]:
-        """Record buffers: recycled ones first, then fresh ones (one MLX sync for all)."""
+        """Record buffers: recycled ones first, then fresh ones.
+
+        A fresh one comes unwritten from flashserve's extension on the CPU: its
+        pages are faulted in by the read, on the I/O thread. Else it is
+        zero-filled on the MLX stream (one sync for all), which waits behind
+        the ops queued there: in a cold prefill, every read while the cache
+        fills waited for the experts computing before it.
+        """
         out: list[mx.array | None] = []
         fresh = []
+        ext = qmm.extension() if mx.default_device() == mx.cpu else None
+        make = getattr(ext, "uninitialized_bytes", None)  # an extension built before it has none
         for length in lengths:
             pool = self._free.get(length)
             if pool:
                 out.append(pool.pop())
+            elif make is not None:
+                out.append(make(length))
             else:
                 buffer = mx.zeros((length,), dtype=mx.uint8)
                 fresh.append(buffer)
@@ -307,7 +319,7 @@ class ExpertStore:
 
         Only for buffers no pending computation reads any more: the offload
         evicts right after a layer's sync, when every earlier layer has run.
-        Reusing them saves allocating and zero-filling a buffer per miss.
+        Reusing them saves allocating and faulting in a buffer per miss.
         """
         pool = self._free.setdefault(buffer.size, [])
         if len(pool) < self.max_free:

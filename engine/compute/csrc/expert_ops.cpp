@@ -6,6 +6,7 @@
 //   slot_rows(outs, positions, slots)
 //     the experts' outputs back in token-slot order: row i of concat(outs)
 //     at row positions[i] of the result
+//   uninitialized_bytes(n): a record buffer for the expert store to read into
 //
 // expert_glu:
 // mlx-lm's SwitchGLU makes that ten graph nodes per expert: a gather of the
@@ -26,6 +27,8 @@
 #include <nanobind/stl/vector.h>
 
 #include <cstring>
+#include <limits>
+#include <stdexcept>
 #include <memory>
 #include <vector>
 
@@ -223,7 +226,22 @@ mx::array slot_rows(const std::vector<mx::array>& outs, const mx::array& positio
 
 }  // namespace
 
+// A uint8 array of n bytes that nothing has written: the buffer the expert
+// store reads a record into. mx.zeros would fill it on the MLX stream, so the
+// caller would wait behind every op queued there (a prefill's experts) before
+// its read could start, and the stream thread would fault in every page; here
+// the read faults them in, on its I/O thread. The array is evaluated already.
+mx::array uninitialized_bytes(int64_t n) {
+  if (n <= 0 || n > std::numeric_limits<int32_t>::max()) {
+    throw std::invalid_argument("uninitialized_bytes: n must be in 1..2^31-1");
+  }
+  return mx::array(mx::allocator::malloc(static_cast<size_t>(n)), mx::Shape{static_cast<int32_t>(n)},
+                   mx::uint8);
+}
+
 void add_expert_ops(nb::module_& m) {
+  m.def("uninitialized_bytes", &uninitialized_bytes, "n"_a,
+        "an evaluated uint8 array of n bytes, not written (a record buffer to read into)");
   m.def("slot_rows", &slot_rows, "outs"_a, "positions"_a, "slots"_a,
         "row i of concatenate(outs) at row positions[i] of a (slots, width) result, "
         "on the kernel's threads");
