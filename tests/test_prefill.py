@@ -14,6 +14,7 @@ import asyncio
 from pathlib import Path
 
 import httpx
+import mlx.core as mx
 import pytest
 
 from flashserve.engine.config import EngineConfig
@@ -133,6 +134,49 @@ def test_a_streamed_layer_is_read_once_per_prefill(
             assert (loads, read) == (layers, layer_bytes)
         else:  # 5 chunks, the last token, and the pipelined first decode step
             assert loads >= passes * layers, loads
+
+
+def test_each_chunk_gets_a_view_of_the_merged_expert_call(
+    cache_arch_dirs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """A layer-major round's merged expert call hands each chunk its rows of the output
+    where they lie: no copy of the whole (tokens, top-k, hidden) output per layer (an
+    integer index on MLX's first axis is a gather, a copy)."""
+    import numpy as np
+
+    from flashserve.engine.experts.offload import ExpertOffload
+    from flashserve.engine.generation import prefill
+
+    merged: list[mx.array] = []
+    parts: list[mx.array] = []
+    real_run, real_resume = ExpertOffload.run_prefill, prefill.LayerMajorPrefill._resume
+
+    def run_prefill(self, *args):
+        out = real_run(self, *args)
+        merged.append(out)
+        return out
+
+    def resume(self, chunk, *value):
+        parts.extend(v for v in value if isinstance(v, mx.array))
+        return real_resume(self, chunk, *value)
+
+    monkeypatch.setattr(ExpertOffload, "run_prefill", run_prefill)
+    monkeypatch.setattr(prefill.LayerMajorPrefill, "_resume", resume)
+    engine = _engine(_prepared(cache_arch_dirs, tmp_path, "qwen3_moe"), expert_cache="3")
+    try:
+        assert len(_alone(engine, [LONG], tokens=1)[0]) == 1
+    finally:
+        engine.shutdown()
+    assert merged and len(parts) >= 2 * len(merged)  # several chunks per merged call
+
+    def span(a: mx.array) -> tuple[int, int]:
+        start = np.array(a, copy=False).ctypes.data
+        return start, start + a.nbytes
+
+    spans = [span(m) for m in merged]
+    for part in parts:
+        lo, hi = span(part)
+        assert any(a <= lo and hi <= b for a, b in spans), "a chunk's rows were copied"
 
 
 def _cache_stats(server) -> dict:

@@ -260,7 +260,9 @@ class LayerMajorPrefill:
         k = ids[0].shape[-1]
         x_all = mx.concatenate([x.reshape(-1, hidden) for x in xs])[None]
         ids_all = mx.concatenate([i.reshape(-1, k) for i in ids])[None]
-        y = self.experts.run_prefill(layer, x_all, ids_all)[0]
+        # squeeze, not [0]: MLX makes an integer index on the first axis a gather, a copy
+        # of the whole (tokens, top-k, hidden) output (41 MB a layer in the cap bench).
+        y = self.experts.run_prefill(layer, x_all, ids_all).squeeze(0)
         pos = 0
         for chunk, i in zip(waiting, ids, strict=True):
             rows = i.size // k
