@@ -60,3 +60,24 @@ def test_attention_over_a_long_context_takes_the_prompt_path():
     assert got is not None
     want = mlx_op("scaled_dot_product_attention")(q, k, v, scale=0.125, mask="causal")
     assert relative_error(got, want) < TOLERANCE
+
+
+def test_the_weights_take_the_scores_buffer_when_nothing_else_holds_it():
+    """Scores nothing else holds (a chunk's, fresh from the matmul) become the weights in
+    place, with the same numbers as scores the caller keeps: a chunk's attention holds
+    one heads x rows x keys block, not two."""
+    ext = qmm.extension()
+    base = normal((1, 2, 4, 256, 512), 6) * 4
+    mx.eval(base)
+    kept = base + 0.0
+    mx.eval(kept)
+    expected = ext.masked_softmax(kept, [], 1)  # `kept` is held here: a new block
+    mx.eval(expected)
+    block = base.nbytes
+    mx.synchronize()
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    got = ext.masked_softmax(base + 0.0, [], 1)  # the sum is held by nothing else
+    mx.eval(got)
+    assert mx.get_peak_memory() - before < 1.5 * block  # one block: the sum, then the weights
+    assert mx.array_equal(got, expected).item()

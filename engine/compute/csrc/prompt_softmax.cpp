@@ -124,7 +124,16 @@ class FlashservePromptSoftmax : public mx::UnaryPrimitive {
   FlashservePromptSoftmax(mx::Stream s, int mode) : mx::UnaryPrimitive(s), mode_(mode) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
+    // The weights take the scores' buffer where nothing else holds it (as MLX's
+    // own softmax does): each row is copied out before its weights are written.
+    // A prompt chunk's scores are heads x rows x keys floats (20 MB a chunk in
+    // the cap bench), else a fresh block faulted in page by page.
+    const mx::array& scores = inputs[0];
+    if (scores.is_donatable() && scores.flags().row_contiguous) {
+      out.copy_shared_buffer(scores);
+    } else {
+      out.set_data(mx::allocator::malloc(out.nbytes()));
+    }
     dispatch(stream(), inputs, out,
              [in = weak(inputs), out = mx::array::unsafe_weak_copy(out), mode = mode_]() mutable {
                softmax_compute(in[0], in.size() > 1 ? &in[1] : nullptr, mode, out);
