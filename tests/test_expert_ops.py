@@ -83,6 +83,22 @@ def test_fused_expert_stays_off_where_mlx_kernel_runs(tmp_path: Path) -> None:
         loaded.experts.close()
 
 
+def test_restore_parts_gives_consecutive_runs_of_restore_order() -> None:
+    """Each run of tokens in an array of its own, equal to that run of the whole output;
+    an expert's positions ascend, as the prefill makes them (np.nonzero's order)."""
+    tokens, k, width, experts = 23, 2, 48, 5
+    flat = np.random.default_rng(1).integers(0, experts, size=(tokens, k))
+    outs, positions = [], []
+    for e in range(experts):
+        rows, cols = np.nonzero(flat == e)
+        outs.append(mx.random.normal((len(rows), width), key=mx.random.key(e)))
+        positions.append(rows * k + cols)
+    whole = compute.restore_order(outs, positions, (tokens, k))
+    parts = compute.restore_parts(outs, positions, k, [8, 1, 14])
+    assert [p.shape for p in parts] == [(8, k, width), (1, k, width), (14, k, width)]
+    assert mx.array_equal(mx.concatenate(parts), whole).item()
+
+
 def test_slot_rows_is_concatenate_then_gather() -> None:
     sizes = [5, 1, 9, 3, 6]
     outs = [mx.random.normal((n, 48), key=mx.random.key(n)) for n in sizes]

@@ -11,6 +11,7 @@ decode keeps in the expert cache.
 from __future__ import annotations
 
 import asyncio
+import itertools
 from pathlib import Path
 
 import httpx
@@ -136,28 +137,32 @@ def test_a_streamed_layer_is_read_once_per_prefill(
             assert loads >= passes * layers, loads
 
 
-def test_each_chunk_gets_a_view_of_the_merged_expert_call(
+def test_each_chunk_gets_its_expert_rows_in_a_block_of_its_own(
     cache_arch_dirs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
-    """A layer-major round's merged expert call hands each chunk its rows of the output
-    where they lie: no copy of the whole (tokens, top-k, hidden) output per layer (an
-    integer index on MLX's first axis is a gather, a copy)."""
+    """A layer-major round's merged expert call hands each chunk its rows in a block of its
+    own, as the call made them: not a copy of the call's whole output (an integer index
+    on MLX's first axis is a gather), and not a view sharing one block with the other
+    chunks (then mlx-lm's weighting by the router's scores cannot write in place and
+    makes a second block of the call's size)."""
     import numpy as np
 
     from flashserve.engine.experts.offload import ExpertOffload
     from flashserve.engine.generation import prefill
 
-    merged: list[mx.array] = []
-    parts: list[mx.array] = []
+    made: list[list[mx.array]] = []
+    given: list[list[mx.array]] = []
     real_run, real_resume = ExpertOffload.run_prefill, prefill.LayerMajorPrefill._resume
 
-    def run_prefill(self, *args):
-        out = real_run(self, *args)
-        merged.append(out)
+    def run_prefill(self, *args, **kwargs):
+        out = real_run(self, *args, **kwargs)
+        made.append(out)
+        given.append([])
         return out
 
     def resume(self, chunk, *value):
-        parts.extend(v for v in value if isinstance(v, mx.array))
+        if given:
+            given[-1].extend(v for v in value if isinstance(v, mx.array))
         return real_resume(self, chunk, *value)
 
     monkeypatch.setattr(ExpertOffload, "run_prefill", run_prefill)
@@ -167,16 +172,18 @@ def test_each_chunk_gets_a_view_of_the_merged_expert_call(
         assert len(_alone(engine, [LONG], tokens=1)[0]) == 1
     finally:
         engine.shutdown()
-    assert merged and len(parts) >= 2 * len(merged)  # several chunks per merged call
+    assert made
 
     def span(a: mx.array) -> tuple[int, int]:
         start = np.array(a, copy=False).ctypes.data
         return start, start + a.nbytes
 
-    spans = [span(m) for m in merged]
-    for part in parts:
-        lo, hi = span(part)
-        assert any(a <= lo and hi <= b for a, b in spans), "a chunk's rows were copied"
+    for parts, handed in zip(made, given, strict=True):
+        assert isinstance(parts, list) and len(parts) >= 2  # LONG: several chunks a round
+        assert [span(p) for p in parts] == [span(h) for h in handed]  # as made: no copy
+        ends = sorted(span(p) for p in parts)
+        # Views of one block would touch end to end; blocks of their own do not.
+        assert all(a[1] < b[0] for a, b in itertools.pairwise(ends))
 
 
 def _cache_stats(server) -> dict:

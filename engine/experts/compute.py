@@ -11,6 +11,7 @@ experts and where their tensors come from).
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -301,6 +302,48 @@ def run_template(
         # stacked tensors past this call.
         for module, key, _ in info.slots:
             module[key] = EMPTY
+
+
+def split_rows(whole: mx.array, parts: list[int]) -> list[mx.array]:
+    """Consecutive runs of `parts[i]` rows of `whole` (views)."""
+    bounds = [0, *itertools.accumulate(parts)]
+    return [whole[a:b] for a, b in itertools.pairwise(bounds)]
+
+
+def restore_parts(
+    outs: list[mx.array], positions: list[np.ndarray], k: int, parts: list[int]
+) -> list[mx.array]:
+    """restore_order for consecutive runs of `parts[i]` tokens: one (tokens, k, hidden)
+    array each, in a block of its own.
+
+    A layer-major prefill hands each of its chunks its rows (generation/prefill.py).
+    Views of one whole output would share its block, so the model's next op on
+    them (mlx-lm's MoE block weighs them by the router's scores) could not write
+    in place and would make a second block the size of the call's output.
+    Each expert's rows are in slot order (np.nonzero's), so a part's rows of an
+    expert are a slice of its output.
+    """
+    ext = qmm.extension() if qmm.active() else None
+    if (
+        ext is None
+        or not hasattr(ext, "slot_rows")
+        or not all(o.dtype == mx.float32 and o.ndim == 2 for o in outs)
+    ):
+        return split_rows(restore_order(outs, positions, (sum(parts), k)), parts)
+    result = []
+    lo = 0
+    for n in parts:
+        hi = lo + n * k
+        pieces, where = [], []
+        for out, at in zip(outs, positions, strict=True):
+            i, j = np.searchsorted(at, [lo, hi])
+            if j > i:
+                pieces.append(out[int(i) : int(j)])
+                where.append(at[i:j] - lo)
+        y = ext.slot_rows(pieces, mx.array(np.concatenate(where).astype(np.uint32)), n * k)
+        result.append(y.reshape(n, k, y.shape[-1]))
+        lo = hi
+    return result
 
 
 def restore_order(

@@ -35,6 +35,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -47,7 +48,9 @@ from flashserve.engine.experts.compute import (
     fused_glu,
     per_expert,
     restore_order,
+    restore_parts,
     run_template,
+    split_rows,
 )
 from flashserve.engine.experts.prefetch import NextLayerPrefetch, Pending
 from flashserve.engine.experts.prefill import expert_major
@@ -176,12 +179,21 @@ class ExpertOffload:
         if predicted is not None:
             self.prefetcher.issue(info.next_layer, predicted)
 
-    def run_prefill(self, layer: int, x: mx.array, indices: mx.array) -> mx.array:
+    def run_prefill(
+        self, layer: int, x: mx.array, indices: mx.array, parts: list[int] | None = None
+    ) -> Any:
         """A prefill call (sequences longer than one token): expert-major, each needed
-        expert read once, decode's working set left in place (experts/prefill.py)."""
+        expert read once, decode's working set left in place (experts/prefill.py).
+
+        With `parts` (token counts of consecutive runs of one sequence's tokens: a
+        layer-major round's chunks), a list of (tokens, top-k, hidden) arrays, one
+        per run, each in a block of its own (compute.restore_parts)."""
         info, indices = self._enter(layer, indices)
         if info.slab is not None:
-            return self._run_slab(info, x, indices)
+            out = self._run_slab(info, x, indices)
+            if parts is None:
+                return out
+            return split_rows(out.reshape(-1, *out.shape[-2:]), parts)
         mx.eval(indices)
         ids = np.array(indices)
         needed = self._account(layer, ids, self._forward, self._token_base, prefill=True)
@@ -196,7 +208,10 @@ class ExpertOffload:
             stats=self.stats,
             window=self.prefill_window,
         )
-        out = restore_order(outs, positions, ids.shape)
+        if parts is not None:
+            out: Any = restore_parts(outs, positions, ids.shape[-1], parts)
+        else:
+            out = restore_order(outs, positions, ids.shape)
         if self.all_fit and self._layer_complete(info):
             self._make_slab(info)
         return out

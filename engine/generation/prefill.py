@@ -260,15 +260,12 @@ class LayerMajorPrefill:
         k = ids[0].shape[-1]
         x_all = mx.concatenate([x.reshape(-1, hidden) for x in xs])[None]
         ids_all = mx.concatenate([i.reshape(-1, k) for i in ids])[None]
-        # squeeze, not [0]: MLX makes an integer index on the first axis a gather, a copy
-        # of the whole (tokens, top-k, hidden) output (41 MB a layer in the cap bench).
-        y = self.experts.run_prefill(layer, x_all, ids_all).squeeze(0)
-        pos = 0
-        for chunk, i in zip(waiting, ids, strict=True):
-            rows = i.size // k
-            part = y[pos : pos + rows].reshape(*i.shape, y.shape[-1])
-            pos += rows
-            self._resume(chunk, part)
+        # One array per chunk, each in a block of its own (not views of one output):
+        # the model's next op (mlx-lm weighs the rows by the router's scores) then
+        # writes in place instead of making a second block of the call's size.
+        ys = self.experts.run_prefill(layer, x_all, ids_all, parts=[i.size // k for i in ids])
+        for chunk, i, y in zip(waiting, ids, ys, strict=True):
+            self._resume(chunk, y.reshape(*i.shape, y.shape[-1]))
 
     def _gather(self, layer: int, x: mx.array, indices: mx.array) -> mx.array:
         """ExpertOffload.gather while a prefill runs: wait for the round's merged call."""
