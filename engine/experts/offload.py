@@ -35,7 +35,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import overload
 
 import mlx.core as mx
 import numpy as np
@@ -179,13 +179,23 @@ class ExpertOffload:
         if predicted is not None:
             self.prefetcher.issue(info.next_layer, predicted)
 
+    @overload
+    def run_prefill(
+        self, layer: int, x: mx.array, indices: mx.array, parts: None = None
+    ) -> mx.array: ...
+
+    @overload
+    def run_prefill(
+        self, layer: int, x: mx.array, indices: mx.array, parts: list[int]
+    ) -> list[mx.array]: ...
+
     def run_prefill(
         self, layer: int, x: mx.array, indices: mx.array, parts: list[int] | None = None
-    ) -> Any:
+    ) -> mx.array | list[mx.array]:
         """A prefill call (sequences longer than one token): expert-major, each needed
         expert read once, decode's working set left in place (experts/prefill.py).
 
-        With `parts` (token counts of consecutive runs of one sequence's tokens: a
+        With `parts` (token counts of consecutive runs of the call's tokens: a
         layer-major round's chunks), a list of (tokens, top-k, hidden) arrays, one
         per run, each in a block of its own (compute.restore_parts)."""
         info, indices = self._enter(layer, indices)
@@ -208,10 +218,11 @@ class ExpertOffload:
             stats=self.stats,
             window=self.prefill_window,
         )
-        if parts is not None:
-            out: Any = restore_parts(outs, positions, ids.shape[-1], parts)
-        else:
-            out = restore_order(outs, positions, ids.shape)
+        out: mx.array | list[mx.array] = (
+            restore_order(outs, positions, ids.shape)
+            if parts is None
+            else restore_parts(outs, positions, ids.shape[-1], parts)
+        )
         if self.all_fit and self._layer_complete(info):
             self._make_slab(info)
         return out
