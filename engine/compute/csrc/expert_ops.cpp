@@ -28,8 +28,8 @@
 
 #include <cstring>
 #include <limits>
-#include <stdexcept>
 #include <memory>
+#include <stdexcept>
 #include <vector>
 
 #include "mlx/allocator.h"
