@@ -28,6 +28,16 @@ from tests.streaming_fixtures import prepared_model
 pytestmark = pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="O_DIRECT is Linux's")
 
 
+@pytest.fixture(autouse=True)
+def _on_the_cpu():
+    """The store reads around the page cache where MLX computes on the CPU; on a GPU
+    (where the GPU check runs these) it reads through it. These check the CPU's reads."""
+    before = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    yield
+    mx.set_default_device(before)
+
+
 def _record_bytes(store: ExpertStore, layer: int, expert: int) -> bytes:
     result = store.submit(layer, expert).result()
     assert result.record.size == result.nbytes
