@@ -9,6 +9,7 @@ every expert resident, at any cache size.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -493,3 +494,62 @@ def test_batched_requests_through_the_engine_match_resident(prepared) -> None:
         )
     )
     assert got == want and all(len(tokens) > 0 for tokens in got)
+
+
+@pytest.mark.parametrize(
+    ("parts", "want"),
+    [
+        (None, {True: 80}),  # 80 slots: sorted, though no expert has 64 rows
+        ([20, 20], {False: 80}),  # a merged call of two 40-slot runs: neither sorted
+        ([40, 8], {True: 80, False: 16}),  # each run as the resident model would run it
+    ],
+)
+def test_each_experts_slots_are_sorted_as_the_resident_call_sorts_them(
+    prepared, monkeypatch, parts, want
+) -> None:
+    """mlx-lm's SwitchGLU sorts a call's slots by expert from 64 slots on, and off the
+    CPU the sort picks the kernel (MLX's CUDA backend: a grouped GEMM for sorted slots,
+    a matrix-vector product per slot otherwise), so a slot's numbers depend on it. An
+    expert's slots of an offloaded prefill call go through the template sorted or not
+    as the resident call (each run of a merged call: its own) would sort them, although
+    the expert has fewer than 64 of them. The GPU check showed tokens differing before."""
+    from mlx_lm.models import switch_layers
+
+    from flashserve.engine.experts import compute
+
+    seen: dict[bool, int] = {}
+    real = switch_layers.SwitchLinear.__call__
+
+    def down_proj(self, x, indices, sorted_indices=False):  # float: 32 wide, not quantized
+        seen[sorted_indices] = seen.get(sorted_indices, 0) + int(indices.size)
+        return real(self, x, indices, sorted_indices=sorted_indices)
+
+    loaded = load(EngineConfig(model=str(prepared["qwen3_moe"]), expert_cache="16"))
+    offload = loaded.experts
+    layer = offload.first_layer
+    tokens = sum(parts) if parts else 40
+    rng = np.random.default_rng(0)
+    x = mx.array(rng.standard_normal((tokens, 64)).astype(np.float32))
+    # Every expert gets tokens * top-k / 8 slots: fewer than 64.
+    ids = mx.array(np.array([[t % 8, (t + 3) % 8] for t in range(tokens)], dtype=np.uint32))
+    compute.set_fused_experts(False)  # the CPU kernel's fused op has no sort to choose
+    monkeypatch.setattr(switch_layers.SwitchLinear, "__call__", down_proj)
+    try:
+        got = offload.run_prefill(layer, x, ids, parts=parts)
+        mx.eval(got)
+    finally:
+        compute.set_fused_experts(True)
+        offload.close()
+    assert seen == want
+    # and the numbers are the resident template's, run by the resident model's calls
+    info = offload.layers[layer]
+    resident = load(EngineConfig(model=str(prepared["qwen3_moe"])))
+    template = resident.model.layers[layer].mlp.switch_mlp
+    runs = parts or [tokens]
+    bounds = np.cumsum([0, *runs])
+    expected = [template(x[a:b], ids[a:b]) for a, b in itertools.pairwise(bounds)]
+    outs = got if parts else [got]
+    assert info.top_k == TOP_K
+    assert all(
+        mx.array_equal(o.reshape(e.shape), e).item() for o, e in zip(outs, expected, strict=True)
+    )

@@ -28,6 +28,11 @@ from flashserve.engine.experts.store import SwitchLayout
 
 EMPTY = mx.zeros((0,))
 
+# mlx-lm's SwitchGLU sorts a call's slots by expert from this many on (switch_layers.py).
+# The sort picks the kernel off the CPU (MLX's CUDA backend: a grouped GEMM sorted, a
+# matrix-vector product per slot not), so a slot's arithmetic depends on it there.
+SORT_SLOTS = 64
+
 # One expert's SwitchGLU as one op: (x, the expert's rows of x, its tensors) -> output rows.
 GluOp = Callable[[mx.array, np.ndarray, dict[str, mx.array]], mx.array]
 
@@ -123,32 +128,58 @@ def per_expert(
     experts: np.ndarray,
     weights: dict[int, dict[str, mx.array]],
     fused: GluOp | None = None,
+    token_sorts: np.ndarray | None = None,
 ) -> tuple[list[mx.array], list[np.ndarray]]:
     """Run the template once per expert on the token slots routed to it, or `fused`
     (fused_glu's op for this call, asked once by the caller) where given.
 
     Each expert's tensors go in as a one-expert stack (`w[None]`, a view,
     no copy) with indices all 0, so the arithmetic per slot is the same
-    gather_qmm / gather_mm as the resident SwitchGLU's.
+    gather_qmm / gather_mm as the resident SwitchGLU's, sorted or not as the
+    resident call would be: the whole call's, or per token `token_sorts`
+    (slot_sorts) for a call merged from several. An expert's outputs are in
+    slot order.
     """
     k = flat.shape[-1]
+    whole = flat.size >= SORT_SLOTS
     outs, positions = [], []
     for e in experts:
         rows, cols = np.nonzero(flat == e)
-        if fused is not None:
+        if fused is not None:  # the CPU's kernel: sorting changes no number there
             outs.append(fused(x2, rows, weights[int(e)]))
             positions.append(rows * k + cols)
             continue
-        sub_x = (
-            x2
-            if len(rows) == x2.shape[0] and (rows == np.arange(len(rows))).all()
-            else x2[mx.array(rows.astype(np.uint32))]
-        )
-        zeros = mx.zeros((len(rows), 1), dtype=mx.uint32)
-        out = call_template(info, sub_x, zeros, [int(e)], weights)
-        outs.append(out.reshape(len(rows), -1))
-        positions.append(rows * k + cols)
+        if token_sorts is None:
+            groups = [(rows, cols, whole)]
+        else:
+            groups = [
+                (rows[m], cols[m], sort)
+                for sort in (False, True)
+                for m in [token_sorts[rows] == sort]
+                if m.any()
+            ]
+        for rows, cols, sort in groups:
+            sub_x = (
+                x2
+                if len(rows) == x2.shape[0] and (rows == np.arange(len(rows))).all()
+                else x2[mx.array(rows.astype(np.uint32))]
+            )
+            zeros = mx.zeros((len(rows), 1), dtype=mx.uint32)
+            out = call_template(info, sub_x, zeros, [int(e)], weights, sort=sort)
+            outs.append(out.reshape(len(rows), -1))
+            positions.append(rows * k + cols)
     return outs, positions
+
+
+def slot_sorts(k: int, parts: list[int]) -> np.ndarray | None:
+    """Per token of a call merged from `parts` (token counts of consecutive runs, each
+    a call of its own in the resident model): whether its run's call sorts its slots.
+    None where every run decides as the merged call would."""
+    whole = sum(parts) * k >= SORT_SLOTS
+    each = [n * k >= SORT_SLOTS for n in parts]
+    if all(sort == whole for sort in each):
+        return None
+    return np.repeat(np.array(each), parts)
 
 
 _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -276,9 +307,10 @@ def call_template(
     experts: list[int],
     weights: dict[int, dict[str, mx.array]],
     stack: bool = True,
+    sort: bool | None = None,
 ) -> mx.array:
     """The template once, remapped[i] indexing `experts`: their tensors stacked, or as
-    lists (`stack` False; only where listable())."""
+    lists (`stack` False; only where listable()); `sort` as in run_template."""
     tensors: dict[str, Any] = {}
     for _, _, name in info.slots:
         parts = [weights[e][name] for e in experts]
@@ -286,22 +318,52 @@ def call_template(
             tensors[name] = parts[0][None] if len(parts) == 1 else mx.stack(parts)
         else:
             tensors[name] = parts
-    return run_template(info, x, remapped, tensors)
+    return run_template(info, x, remapped, tensors, sort)
 
 
 def run_template(
-    info: OffloadLayer, x: mx.array, indices: mx.array, tensors: dict[str, Any]
+    info: OffloadLayer,
+    x: mx.array,
+    indices: mx.array,
+    tensors: dict[str, Any],
+    sort: bool | None = None,
 ) -> mx.array:
-    """The original SwitchGLU on `tensors` (stacked experts, or lists of them, by name)."""
+    """The original SwitchGLU on `tensors` (stacked experts, or lists of them, by name).
+
+    `sort`: whether the slots are sorted by expert, where the caller decides it (a
+    part of the call the resident model makes); None: the template's own choice.
+    """
     for module, key, name in info.slots:
         module[key] = tensors[name]
     try:
-        return info.template(x, indices)
+        template = info.template
+        if sort is None or sort == (indices.size >= SORT_SLOTS):
+            return template(x, indices)
+        if type(template).__call__ is not switch_layers.SwitchGLU.__call__:
+            return template(x, indices)  # its own choice: no other sort can be asked of it
+        return _switch_glu(template, x, indices, sort)
     finally:
         # The lazy graph keeps what it needs; the template must not pin the
         # stacked tensors past this call.
         for module, key, _ in info.slots:
             module[key] = EMPTY
+
+
+def _switch_glu(template: nn.Module, x: mx.array, indices: mx.array, sort: bool) -> mx.array:
+    """mlx-lm's SwitchGLU.__call__ with the sort given instead of decided by the call's
+    size (one expert's slots of a call that the resident model sorts, or not). Its
+    own sort helpers; the same projections and activation."""
+    x = mx.expand_dims(x, (-2, -3))
+    indices = mx.stop_gradient(indices)
+    idx, inverse = indices, None
+    if sort:
+        x, idx, inverse = switch_layers._gather_sort(x, indices)
+    up = template.up_proj(x, idx, sorted_indices=sort)
+    gate = template.gate_proj(x, idx, sorted_indices=sort)
+    x = template.down_proj(template.activation(up, gate), idx, sorted_indices=sort)
+    if sort:
+        x = switch_layers._scatter_unsort(x, inverse, indices.shape)
+    return x.squeeze(-2)
 
 
 def split_rows(whole: mx.array, parts: list[int]) -> list[mx.array]:

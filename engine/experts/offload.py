@@ -50,6 +50,7 @@ from flashserve.engine.experts.compute import (
     restore_order,
     restore_parts,
     run_template,
+    slot_sorts,
     split_rows,
 )
 from flashserve.engine.experts.prefetch import NextLayerPrefetch, Pending
@@ -199,11 +200,23 @@ class ExpertOffload:
         layer-major round's chunks), a list of (tokens, top-k, hidden) arrays, one
         per run, each in a block of its own (compute.restore_parts)."""
         info, indices = self._enter(layer, indices)
+        k = indices.shape[-1]
+        # Runs that the resident model sorts otherwise than the merged call (compute.SORT_SLOTS)
+        token_sorts = slot_sorts(k, parts) if parts is not None else None
         if info.slab is not None:
-            out = self._run_slab(info, x, indices)
-            if parts is None:
-                return out
-            return split_rows(out.reshape(-1, *out.shape[-2:]), parts)
+            if token_sorts is None:
+                out = self._run_slab(info, x, indices)
+                if parts is None:
+                    return out
+                return split_rows(out.reshape(-1, *out.shape[-2:]), parts)
+            assert parts is not None  # token_sorts come from parts
+            self._defer(info, indices)
+            rows = zip(
+                split_rows(x.reshape(-1, x.shape[-1]), parts),
+                split_rows(indices.reshape(-1, k), parts),
+                strict=True,
+            )
+            return [run_template(info, xp, ip, info.slab) for xp, ip in rows]
         mx.eval(indices)
         ids = np.array(indices)
         needed = self._account(layer, ids, self._forward, self._token_base, prefill=True)
@@ -211,12 +224,13 @@ class ExpertOffload:
         outs, positions = expert_major(
             info,
             x.reshape(-1, x.shape[-1]),
-            ids.reshape(-1, ids.shape[-1]),
+            ids.reshape(-1, k),
             needed,
             cache=self.cache,
             store=self.store,
             stats=self.stats,
             window=self.prefill_window,
+            token_sorts=token_sorts,
         )
         out: mx.array | list[mx.array] = (
             restore_order(outs, positions, ids.shape)
@@ -288,8 +302,12 @@ class ExpertOffload:
 
     def _run_slab(self, info: OffloadLayer, x: mx.array, indices: mx.array) -> mx.array:
         assert info.slab is not None
-        self._deferred.append((self._forward, self._token_base, info.layer, indices))
+        self._defer(info, indices)
         return run_template(info, x, indices, info.slab)
+
+    def _defer(self, info: OffloadLayer, indices: mx.array) -> None:
+        """A slab call's counters and trace, taken two forwards later (_new_forward)."""
+        self._deferred.append((self._forward, self._token_base, info.layer, indices))
 
     def _account_deferred(
         self, forward: int, token_base: int, layer: int, indices: mx.array

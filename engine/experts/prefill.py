@@ -71,10 +71,12 @@ def expert_major(
     store: ExpertStore,
     stats: ExpertStats,
     window: int,
+    token_sorts: np.ndarray | None = None,
 ) -> tuple[list[mx.array], list[np.ndarray]]:
     """Run every needed expert of one prefill call once; see the module doc.
 
-    `x2` is (tokens, hidden), `flat` the routing (tokens, top-k) on the host.
+    `x2` is (tokens, hidden), `flat` the routing (tokens, top-k) on the host,
+    `token_sorts` compute.slot_sorts' for a call merged from several.
     Returns the per-expert outputs and their token-slot positions
     (experts/compute.py: `restore_order` puts them back in order).
     """
@@ -122,7 +124,7 @@ def expert_major(
         for i, e in enumerate(cached):
             tensors = cache.peek((layer, e)).tensors
             with mx.stream(streams[i % len(streams)]):
-                o, p = per_expert(info, x2, flat, np.array([e]), {e: tensors}, fused)
+                o, p = per_expert(info, x2, flat, np.array([e]), {e: tensors}, fused, token_sorts)
             outs += o
             positions += p
         while in_flight:
@@ -141,7 +143,9 @@ def expert_major(
             for stream, (e, result) in zip(streams, landed, strict=False):
                 tensors = store.tensors(layer, result.record)
                 with mx.stream(stream):
-                    o, p = per_expert(info, x2, flat, np.array([e]), {e: tensors}, fused)
+                    o, p = per_expert(
+                        info, x2, flat, np.array([e]), {e: tensors}, fused, token_sorts
+                    )
                 ran.append((e, result, tensors, o))
                 outs += o
                 positions += p
