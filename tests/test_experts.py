@@ -504,15 +504,18 @@ def test_batched_requests_through_the_engine_match_resident(prepared) -> None:
         ([40, 8], {True: 80, False: 16}),  # each run as the resident model would run it
     ],
 )
+@pytest.mark.parametrize("slab", [False, True], ids=["per-expert", "slab"])
 def test_each_experts_slots_are_sorted_as_the_resident_call_sorts_them(
-    prepared, monkeypatch, parts, want
+    prepared, monkeypatch, parts, want, slab
 ) -> None:
     """mlx-lm's SwitchGLU sorts a call's slots by expert from 64 slots on, and off the
     CPU the sort picks the kernel (MLX's CUDA backend: a grouped GEMM for sorted slots,
     a matrix-vector product per slot otherwise), so a slot's numbers depend on it. An
     expert's slots of an offloaded prefill call go through the template sorted or not
     as the resident call (each run of a merged call: its own) would sort them, although
-    the expert has fewer than 64 of them. The GPU check showed tokens differing before."""
+    the expert has fewer than 64 of them. The GPU check showed tokens differing before.
+    A layer whose experts are all cached runs as one stacked slab: each run of a merged
+    call then goes to it as a call of its own."""
     from mlx_lm.models import switch_layers
 
     from flashserve.engine.experts import compute
@@ -524,7 +527,8 @@ def test_each_experts_slots_are_sorted_as_the_resident_call_sorts_them(
         seen[sorted_indices] = seen.get(sorted_indices, 0) + int(indices.size)
         return real(self, x, indices, sorted_indices=sorted_indices)
 
-    loaded = load(EngineConfig(model=str(prepared["qwen3_moe"]), expert_cache="16"))
+    cache = EXPERTS * LAYERS if slab else 2 * EXPERTS
+    loaded = load(EngineConfig(model=str(prepared["qwen3_moe"]), expert_cache=str(cache)))
     offload = loaded.experts
     layer = offload.first_layer
     tokens = sum(parts) if parts else 40
@@ -533,6 +537,9 @@ def test_each_experts_slots_are_sorted_as_the_resident_call_sorts_them(
     # Every expert gets tokens * top-k / 8 slots: fewer than 64.
     ids = mx.array(np.array([[t % 8, (t + 3) % 8] for t in range(tokens)], dtype=np.uint32))
     compute.set_fused_experts(False)  # the CPU kernel's fused op has no sort to choose
+    if slab:  # a first call reads and keeps every expert of the layer: a slab
+        mx.eval(offload.run_prefill(layer, x, mx.array(np.arange(2 * tokens) % 8).reshape(-1, 2)))
+        assert offload.layers[layer].slab is not None
     monkeypatch.setattr(switch_layers.SwitchLinear, "__call__", down_proj)
     try:
         got = offload.run_prefill(layer, x, ids, parts=parts)
