@@ -537,11 +537,12 @@ def test_each_experts_slots_are_sorted_as_the_resident_call_sorts_them(
     # Every expert gets tokens * top-k / 8 slots: fewer than 64.
     ids = mx.array(np.array([[t % 8, (t + 3) % 8] for t in range(tokens)], dtype=np.uint32))
     compute.set_fused_experts(False)  # the CPU kernel's fused op has no sort to choose
-    if slab:  # a first call reads and keeps every expert of the layer: a slab
-        mx.eval(offload.run_prefill(layer, x, mx.array(np.arange(2 * tokens) % 8).reshape(-1, 2)))
-        assert offload.layers[layer].slab is not None
-    monkeypatch.setattr(switch_layers.SwitchLinear, "__call__", down_proj)
     try:
+        if slab:  # a first call reads and keeps every expert of the layer: a slab
+            every = mx.array(np.arange(2 * tokens) % 8).reshape(-1, 2)
+            mx.eval(offload.run_prefill(layer, x, every))
+            assert offload.layers[layer].slab is not None
+        monkeypatch.setattr(switch_layers.SwitchLinear, "__call__", down_proj)
         got = offload.run_prefill(layer, x, ids, parts=parts)
         mx.eval(got)
     finally:
