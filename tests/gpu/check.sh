@@ -8,7 +8,8 @@
 #
 # 1. device: MLX's default device, versions; stops (exit 3) unless it is a GPU
 # 2. identity: streaming, experts, batching, prompt cache (memory and disk), prefill:
-#    greedy tokens equal to the fully resident model's on the same device
+#    greedy tokens equal to the fully resident model's on the same device; issue 46's
+#    expert path (prefetch, store reads, next turn, kv_bits); then tests/gpu/expert_stages.py
 # 3. bench: flashserve bench --sections layers,experts,batch,prefill at full size (the CPU
 #    takes far longer; a big GPU a few minutes)
 # Results in $OUT: summary.txt, device.txt, pytest.log, bench.txt. Exit 0 only if every
@@ -54,7 +55,9 @@ fi
 
 # ------------------------------------------------------------------ 2: identity tests
 TESTS=${GPU_CHECK_TESTS:-"tests/test_streaming.py tests/test_experts.py tests/test_batching.py
-tests/test_prompt_cache.py tests/test_prompt_cache_disk.py tests/test_prefill.py tests/test_alignment.py"}
+tests/test_prompt_cache.py tests/test_prompt_cache_disk.py tests/test_prefill.py tests/test_alignment.py
+tests/test_expert_prefetch.py tests/test_expert_direct_reads.py tests/test_next_turn_pressure.py
+tests/test_prompt_disk_race.py tests/test_kv_quantization.py"}
 # Not here: the default model's GGUF (a separate wheel) and flashserve's CPU-only kernel.
 KEXPR="not default_gguf and not default_model and not fast_kernel"
 XDIST=""
@@ -68,6 +71,11 @@ rc=$?
 note "identity tests rc=$rc: $(grep -E '^=* ?[0-9]+ (passed|failed).*' "$OUT/pytest.log" | tail -1)"
 grep -E "^(FAILED|ERROR) " "$OUT/pytest.log" | head -30 | tee -a "$SUM"
 [ "$rc" = 0 ] || failed=1
+
+# Where an expert's numbers part from the whole call's, stage by stage (all zeros on the CPU)
+timeout -s INT -k 5 60 "$PY" tests/gpu/expert_stages.py "$OUT/stages" >"$OUT/stages.txt" 2>&1
+note "expert stages rc=$?: $(grep -c "'out': '0'" "$OUT/stages.txt") of 6 calls equal per expert"
+grep -E "^mlx.core.float" "$OUT/stages.txt" >>"$SUM"
 
 # ------------------------------------------------------------------ 3: bench
 BENCH=(flashserve)
