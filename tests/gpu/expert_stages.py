@@ -37,26 +37,26 @@ def _largest(a: mx.array, b: mx.array, rows: int) -> float:
     return float(mx.max(mx.abs(a - b)).item())
 
 
+def _stages(template: nn.Module, x: mx.array, index: mx.array) -> dict[str, mx.array]:
+    """Each stage of mlx-lm's SwitchGLU on x (rows, hidden) routed by index (rows, k)."""
+    xe = mx.expand_dims(x, (-2, -3))
+    up, gate = template.up_proj(xe, index), template.gate_proj(xe, index)
+    act = template.activation(up, gate)
+    down = template.down_proj(act, index)
+    return {"up": up, "gate": gate, "act": act, "down": down, "out": template(x, index)}
+
+
 def _one_expert(
     template: nn.Module, x2: mx.array, flat: np.ndarray, e: int, whole: dict[str, mx.array]
 ) -> dict[str, float]:
     """Expert e's slots run alone, each stage against the whole call's rows of it."""
     rows, cols = np.nonzero(flat == e)
     at = (mx.array(rows.astype(np.uint32)), mx.array(cols.astype(np.uint32)))
-    sx = mx.expand_dims(x2[at[0]], (-2, -3))
     index = mx.full((len(rows), 1), e, dtype=mx.uint32)  # every expert kept: only the batch differs
-    up, gate = template.up_proj(sx, index), template.gate_proj(sx, index)
-    act = template.activation(up, gate)
-    got = {
-        "up": up,
-        "gate": gate,
-        "act": act,
-        "down": template.down_proj(act, index),
-        "down_same_act": template.down_proj(whole["act"][0][at][:, None], index),
-        "out": template(x2[at[0]], index),
-    }
+    got = _stages(template, x2[at[0]], index)
+    got["down_same_act"] = template.down_proj(whole["act"][at][:, None], index)
     want = {**whole, "down_same_act": whole["down"]}
-    return {k: _largest(v, want[k][0][at], len(rows)) for k, v in got.items()}
+    return {k: _largest(v, want[k][at], len(rows)) for k, v in got.items()}
 
 
 def main(work: Path) -> None:
@@ -70,24 +70,14 @@ def main(work: Path) -> None:
     mx.random.seed(0)
     for dtype in (mx.float16, mx.float32):
         for name, routing in CALLS.items():
-            x = mx.random.normal((1, len(routing), hidden)).astype(dtype)
-            ids = mx.array(np.array([routing], np.uint32))
-            xe = mx.expand_dims(x, (-2, -3))
-            up, gate = template.up_proj(xe, ids), template.gate_proj(xe, ids)
-            act = template.activation(up, gate)
-            whole = {
-                "up": up,
-                "gate": gate,
-                "act": act,
-                "down": template.down_proj(act, ids),
-                "out": template(x, ids),
-            }
+            x = mx.random.normal((len(routing), hidden)).astype(dtype)
             flat = np.array(routing)
+            # the whole call as the model makes it: one sequence of len(routing) tokens
+            ids = mx.array(flat.astype(np.uint32))[None]
+            whole = {k: v[0] for k, v in _stages(template, x[None], ids).items()}
             worst: dict[str, float] = {}
             for e in np.unique(flat):
-                for k, v in _one_expert(
-                    template, x.reshape(-1, hidden), flat, int(e), whole
-                ).items():
+                for k, v in _one_expert(template, x, flat, int(e), whole).items():
                     worst[k] = max(worst.get(k, 0.0), v)
             print(dtype, name, {k: f"{v:.3g}" for k, v in worst.items()}, flush=True)
 
