@@ -15,6 +15,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -25,6 +26,7 @@ import httpx
 import openai
 import pytest
 
+from flashserve.engine.bench.common import free_port_run
 from flashserve.engine.distributed.launch import HostfileError, check_hostfile, launch_command
 from flashserve.engine.distributed.ranges import LayerSplitError, split_layers
 from tests.conftest import (
@@ -140,7 +142,7 @@ def two_ranks(model: Path, workdir: Path) -> Iterator[Server]:
     log_path = workdir / f"ranks-{port}.log"
     cmd = [sys.executable, "-m", "flashserve.server.cli", "serve", "--hostfile", str(hostfile)]
     cmd += _serve_args(model, port, workdir)
-    cmd += ["--distributed-port", str(free_port())]
+    cmd += ["--distributed-port", str(free_port_run(len(HOSTS)))]  # a port per rank
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
             cmd,
@@ -271,3 +273,17 @@ def test_killing_a_rank_ends_the_other_naming_it(killed, tiny_llama_dir, tmp_pat
             if process.poll() is None:
                 process.kill()
                 process.wait(timeout=10)
+
+
+def test_a_run_of_ports_for_the_ring_is_free_and_below_the_ephemeral_range() -> None:
+    """mlx.launch gives rank i the port start + i: the run is bindable as a whole, and
+    below the ports the kernel hands outgoing connections (a CI run lost a rank to
+    one: 'Couldn't bind socket (error: 98)')."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for _ in range(20):
+        start = free_port_run(3)
+        assert start + 3 <= low
+        with contextlib.ExitStack() as stack:
+            for port in range(start, start + 3):
+                sock = stack.enter_context(socket.socket())
+                sock.bind(("127.0.0.1", port))

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import random
 import socket
 import time
 from dataclasses import dataclass
@@ -26,6 +28,31 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_port_run(count: int) -> int:
+    """The first of `count` consecutive free ports (mlx.launch's ring gives rank i the
+    port start + i). Taken below the kernel's ephemeral range, where no outgoing
+    connection's port lands between this check and the ranks' binds."""
+    low = 32768
+    with contextlib.suppress(OSError, ValueError):
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    rng = random.Random()
+    for _ in range(100):
+        start = rng.randrange(10000, max(low - count, 10001))
+        socks: list[socket.socket] = []
+        try:
+            for port in range(start, start + count):
+                sock = socket.socket()
+                socks.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return start
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise RuntimeError(f"no {count} consecutive free ports below {low}")
 
 
 def bench_model(

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flashserve.engine.bench.batch import BATCH_MODEL
-from flashserve.engine.bench.common import bench_model, free_port, print_table
+from flashserve.engine.bench.common import bench_model, free_port, free_port_run, print_table
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ def _serve(model: Path, ranks: int, tokens: int, rounds: int, work: Path) -> Res
     if ranks > 1:
         hostfile = work / "hosts.json"
         hostfile.write_text(json.dumps(HOSTS[:ranks]))
-        cmd += ["--hostfile", str(hostfile), "--distributed-port", str(free_port())]
+        cmd += ["--hostfile", str(hostfile), "--distributed-port", str(free_port_run(ranks))]
     log_file = open(work / f"serve-{ranks}.log", "wb")  # noqa: SIM115 - closed below
     process = subprocess.Popen(
         cmd, cwd=work, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
