@@ -237,7 +237,8 @@ def test_two_ranks_give_one_process_greedy_tokens(arch_fixture, request, tmp_pat
 def _by_hand(model: Path, workdir: Path) -> tuple[list[subprocess.Popen], Server, list[Path]]:
     """Two ranks started by hand, as mlx.launch would: MLX_RANK and MLX_HOSTFILE."""
     ring = workdir / "ring.json"
-    ring.write_text(json.dumps([[f"127.0.0.1:{free_port()}"], [f"127.0.0.1:{free_port()}"]]))
+    start = free_port_run(2)
+    ring.write_text(json.dumps([[f"127.0.0.1:{start}"], [f"127.0.0.1:{start + 1}"]]))
     port = free_port()
     processes, logs = [], []
     for rank in range(2):
