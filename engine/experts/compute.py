@@ -137,7 +137,7 @@ def per_expert(
     no copy) with indices all 0, so the arithmetic per slot is the same
     gather_qmm / gather_mm as the resident SwitchGLU's, sorted or not as the
     resident call would be: the whole call's, or per token `token_sorts`
-    (slot_sorts) for a call merged from several. An expert's outputs are in
+    (slot_sorts) for a call merged from several. Each output's rows are in
     slot order.
     """
     k = flat.shape[-1]
@@ -151,13 +151,9 @@ def per_expert(
             continue
         if token_sorts is None:
             groups = [(rows, cols, whole)]
-        else:
-            groups = [
-                (rows[m], cols[m], sort)
-                for sort in (False, True)
-                for m in [token_sorts[rows] == sort]
-                if m.any()
-            ]
+        else:  # at most two calls: the slots of runs sorted, and of runs not
+            sorts = token_sorts[rows]
+            groups = [(rows[sorts == s], cols[sorts == s], s) for s in (False, True) if s in sorts]
         for rows, cols, sort in groups:
             sub_x = (
                 x2
