@@ -191,14 +191,19 @@ class SpeculativeBatch(GenerationBatch):
             )
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         targets = mx.argmax(logprobs, axis=-1)
-        mx.eval(logprobs, targets)
+        sequences = [self.speculation.sequences.get(uid) for uid in self.uids]
+        own = self._sample_unregistered(sequences, logprobs)
+        mx.eval(logprobs, targets, list(own.values()))
         targets_list = targets.tolist()
         emitted: list[list[int]] = []
         rows_used: list[list[mx.array]] = []
         nexts: list[int] = []
         for i, draft in enumerate(drafts):
-            seq = self.speculation.sequences.get(self.uids[i])
-            n, after = self._accept(seq, draft, logprobs[i], targets_list[i])
+            seq = sequences[i]
+            if i in own:  # no draft: its pending token's successor, from its own sampler
+                n, after = 0, int(own[i].item())
+            else:
+                n, after = self._accept(seq, draft, logprobs[i], targets_list[i])
             emitted.append([pending[i], *draft[:n]])
             rows_used.append([self._next_logprobs[i], *(logprobs[i, j] for j in range(n))])
             nexts.append(after)
@@ -282,9 +287,23 @@ class SpeculativeBatch(GenerationBatch):
             context = buffer.update_and_fetch(mx.array([draft[j]], dtype=mx.int32))
         return mx.concatenate([*rows, logits[len(rows) :]], axis=0)
 
+    def _sample_unregistered(
+        self, sequences: list[Sequence | None], logprobs: mx.array
+    ) -> dict[int, mx.array]:
+        """The next token of each sequence that does not speculate (its request opted
+        out), drawn by its own sampler from the pass's first position, as a plain step
+        draws it: the sampler's random stream advances one token, as in a plain step."""
+        samplers = self.samplers or [None] * len(self.uids)
+        return {
+            i: (samplers[i] or self.fallback_sampler)(logprobs[i, :1])
+            for i, seq in enumerate(sequences)
+            if seq is None
+        }
+
     def _accept(
         self, seq: Sequence | None, draft: list[int], logprobs: mx.array, targets: list[int]
     ) -> tuple[int, int]:
+        """(drafted tokens accepted, the token after them) for a speculating sequence."""
         if seq is None or seq.sampling is None or seq.rng is None:
             return accept_greedy(targets, draft)
         probs = seq.sampling.probabilities(logprobs[: len(draft) + 1])
