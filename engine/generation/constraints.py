@@ -115,6 +115,7 @@ class GrammarProcessor:
         self._seen: int | None = None  # tokens already given to the matcher
         self._after = list(after or [])
         self._recent: list[int] = []  # the last tokens given, for a speculative rollback
+        self._past_stop = 0  # how many of them came after the matcher stopped
 
     def _check(self) -> None:
         # A matcher in error would leave the logits unmasked (or all masked):
@@ -141,13 +142,7 @@ class GrammarProcessor:
                 new = tokens[self._seen :].tolist()
                 self._seen = tokens.shape[0]
                 self._recent = (self._recent + new)[-MAX_ROLLBACK:]
-                if not self._matcher.is_stopped() and not self._matcher.consume_tokens(new):
-                    # The grammar grew too complex for the parser's limits (a schema
-                    # that requires itself), or another processor overrode the mask.
-                    self._check()
-                    raise GrammarError(
-                        f"Cannot enforce {self._param or 'the grammar'}", self._param
-                    )
+                self._give(new)
         mask = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
         self._check()
         return apply_bitmask(logits, mask)
@@ -159,10 +154,25 @@ class GrammarProcessor:
         is not rolled back)."""
         return not self._after
 
+    def _give(self, new: list[int]) -> None:
+        if self._matcher.is_stopped():
+            # Past the grammar's end (a drafted EOS after the closing brace): the
+            # matcher takes nothing more and keeps no record of it, so a rollback
+            # must not count these.
+            self._past_stop = min(self._past_stop + len(new), len(self._recent))
+            return
+        if not self._matcher.consume_tokens(new):
+            # The grammar grew too complex for the parser's limits (a schema
+            # that requires itself), or another processor overrode the mask.
+            self._check()
+            raise GrammarError(f"Cannot enforce {self._param or 'the grammar'}", self._param)
+
     def _roll_back(self, tokens: mx.array) -> None:
         """Take back the tokens given to the matcher that `tokens` no longer has there:
-        drafted tokens a speculative step ran the grammar over, then rejected."""
-        if self._seen is None or self._matcher.is_stopped() or not self._recent:
+        drafted tokens a speculative step ran the grammar over, then rejected. A
+        stop is taken back too (llguidance's rollback undoes it): a rejected draft
+        that completed the grammar, or drafted EOS, must not end the output."""
+        if self._seen is None or not self._recent:
             return
         start = self._seen - len(self._recent)
         now = tokens[start : min(self._seen, tokens.shape[0])].tolist()
@@ -171,7 +181,10 @@ class GrammarProcessor:
             same += 1
         back = len(self._recent) - same
         if back:
-            self._matcher.rollback(back)
+            ignored = min(back, self._past_stop)
+            self._past_stop -= ignored
+            if back > ignored:
+                self._matcher.rollback(back - ignored)
             self._recent = self._recent[:same]
             self._seen -= back
 
