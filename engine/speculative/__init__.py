@@ -15,4 +15,6 @@ drafted tokens in one pass turns one read into up to k+1 tokens.
 * adaptive.py: each request's draft length from its measured acceptance and
   the measured cost of a k-token pass; the counters /metrics serves.
 * batch.py: mlx-lm's GenerationBatch with a speculative `next()`.
+* mlx_lm_internals.py: the private fields of mlx-lm the others use, in one
+  place, and the check that the installed mlx-lm still has them.
 """

@@ -40,6 +40,7 @@ from mlx_lm.generate import BatchGenerator, GenerationBatch
 from mlx_lm.models.cache import BatchKVCache
 
 from flashserve.engine.compute import prompt_matmul
+from flashserve.engine.speculative import mlx_lm_internals as internals
 from flashserve.engine.speculative.accept import Sampling, accept_greedy, accept_sampled
 from flashserve.engine.speculative.adaptive import CostModel, Sequence, SpeculativeStats
 from flashserve.engine.speculative.draft import DraftModel
@@ -77,6 +78,7 @@ class Speculation:
         self.stats = stats
         self.drafter: DraftModel | None = None
         self._batch: BatchGenerator | None = None  # the batch installed on, for pruning
+        self._checked = False  # mlx-lm's internals looked up (mlx_lm_internals.check)
         self.cost = CostModel(config.max_draft)
         self.sequences: dict[int, Sequence] = {}
 
@@ -88,20 +90,29 @@ class Speculation:
         """Make `batch` decode with speculative steps (its generation batch is empty).
         The draft model, if any, is loaded the first time (`tokenizer`: the model's,
         which its vocabulary must match); one that cannot be loaded leaves prompt
-        lookup alone, with the reason logged."""
+        lookup alone, with the reason logged. An mlx-lm whose internals speculation
+        relies on changed turns speculation off, naming the field."""
         if not self.enabled:
             return
+        if not self._checked:
+            try:
+                internals.check()
+            except internals.InternalsChanged as exc:
+                log.error("speculative decoding off: %s", exc)
+                self.config.mode = "off"
+                return
+            self._checked = True
         if self.config.draft_model and self.drafter is None and self.config.mode != "prompt-lookup":
             try:
                 self.drafter = DraftModel.load(self.config.draft_model, tokenizer)
             except Exception as exc:
                 log.error("no draft model, prompt lookup only: %s", exc)
                 self.config.mode = "prompt-lookup"
-        generation = batch._generation_batch
+        generation = internals.generation_batch(batch)
         assert not generation.uids, "install before anything is inserted"
         speculative = SpeculativeBatch.empty(generation.model, generation.fallback_sampler)
         speculative.speculation = self
-        batch._generation_batch = speculative
+        internals.set_generation_batch(batch, speculative)
         self._batch = batch
 
     def register(self, uid: int, wanted: bool, sampling: Sampling | None) -> None:
@@ -109,7 +120,7 @@ class Speculation:
         if len(self.sequences) > PRUNE_AT and self._batch is not None:
             # Sequences removed before they decoded (cancelled while their prompt
             # was prefilled) never pass through SpeculativeBatch.filter.
-            live = self._batch._find_uids(list(self.sequences))
+            live = internals.live_uids(self._batch, list(self.sequences))
             self.sequences = {u: s for u, s in self.sequences.items() if u in live}
         if self.enabled and wanted:
             sequence = Sequence(self.config.max_draft, sampling)
@@ -126,7 +137,7 @@ class Speculation:
         return drafted
 
 
-class SpeculativeBatch(GenerationBatch):
+class SpeculativeBatch(internals.GenerationBatchState):
     speculation: Speculation
 
     def filter(self, keep: list[int]) -> None:
@@ -156,13 +167,13 @@ class SpeculativeBatch(GenerationBatch):
         costs = self.speculation.cost.costs
         # The pending token is emitted by this step too: room counts after it.
         lengths = [
-            seq.length(costs, self.max_tokens[i] - self._num_tokens[i] - 1) if seq else 0
+            seq.length(costs, self.max_tokens[i] - self.emitted_counts[i] - 1) if seq else 0
             for i, seq in enumerate(sequences)
         ]
         if not any(lengths):
             return None  # no wait for the pending tokens: mlx-lm's step stays pipelined
-        mx.eval(self._next_tokens)
-        pending = self._next_tokens.tolist()
+        mx.eval(self.pending)
+        pending = self.pending.tolist()
         drafts = [
             self.speculation.draft(seq, [*self.tokens[i], pending[i]], k) if seq and k else []
             for i, (seq, k) in enumerate(zip(sequences, lengths, strict=True))
@@ -171,7 +182,7 @@ class SpeculativeBatch(GenerationBatch):
 
     def _verify(self, drafts: list[list[int]]) -> list[GenerationBatch.Response]:
         width = max(len(d) for d in drafts)
-        pending = self._next_tokens.tolist()
+        pending = self.pending.tolist()
         # Shorter drafts are padded with their last token: whatever is there is
         # run and never accepted (acceptance stops at the draft's end).
         rows = [
@@ -205,12 +216,12 @@ class SpeculativeBatch(GenerationBatch):
             else:
                 n, after = self._accept(seq, draft, logprobs[i], targets_list[i])
             emitted.append([pending[i], *draft[:n]])
-            rows_used.append([self._next_logprobs[i], *(logprobs[i, j] for j in range(n))])
+            rows_used.append([self.pending_logprobs[i], *(logprobs[i, j] for j in range(n))])
             nexts.append(after)
             self._account(seq, len(draft), n)
         responses, keep, kept_tokens = self._respond(emitted, rows_used)
         for i, size in contexts.items():  # the processors' context: what the cache keeps
-            self._token_context[i]._size = size + kept_tokens[i]
+            internals.set_context_size(self.token_contexts[i], size + kept_tokens[i])
         if saved is None:
             roll_back(self.prompt_cache, [width + 1 - k for k in kept_tokens])
         elif min(kept_tokens) < width + 1:
@@ -222,8 +233,8 @@ class SpeculativeBatch(GenerationBatch):
             if r.finish_reason is not None:
                 i = self.uids.index(r.uid)
                 r.prompt_cache, r.all_tokens = self.extract_cache(i), self.tokens[i]
-        self._next_tokens = mx.array(nexts, dtype=mx.uint32)
-        self._next_logprobs = [logprobs[i, len(emitted[i]) - 1] for i in range(len(self.uids))]
+        self.pending = mx.array(nexts, dtype=mx.uint32)
+        self.pending_logprobs = [logprobs[i, len(emitted[i]) - 1] for i in range(len(self.uids))]
         stats = self.speculation.stats
         stats.passes += 1
         stats.sequence_passes += len(self.uids)
@@ -270,8 +281,8 @@ class SpeculativeBatch(GenerationBatch):
         processors = self.logits_processors[i]
         if not processors:
             return logits
-        buffer = self._token_context[i]
-        contexts[i] = buffer._size
+        buffer = self.token_contexts[i]
+        contexts[i] = internals.context_size(buffer)
         context = buffer.update_and_fetch(mx.array([pending], dtype=mx.int32))
         draft, rows = drafts[i], []
         for j in range(len(draft) + 1):
@@ -327,10 +338,10 @@ class SpeculativeBatch(GenerationBatch):
             count = 0
             for token, row in zip(tokens, rows[i], strict=True):
                 count += 1
-                self._num_tokens[i] += 1
-                if self._num_tokens[i] >= self.max_tokens[i]:
+                self.emitted_counts[i] += 1
+                if self.emitted_counts[i] >= self.max_tokens[i]:
                     finish = "length"
-                if self._matchers[i].advance(token):
+                if self.stop_matchers[i].advance(token):
                     finish = "stop"
                 responses.append(self.Response(self.uids[i], token, row, finish, None, None))
                 if finish is not None:

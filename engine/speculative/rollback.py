@@ -2,7 +2,7 @@
 
 A verification pass writes k+1 keys for every sequence of the batch, and each
 sequence keeps its own number of them. mlx-lm's BatchKVCache has one write
-position for the whole batch (`_idx`) and a left padding per sequence: the
+position for the whole batch and a left padding per sequence: the
 keys every sequence rejected are trimmed (`trim`), and a sequence that
 rejected more rolls its extra rejected keys round to the front of its row,
 where they become left padding that attention masks out. The rows then read
@@ -25,6 +25,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, dynamic_roll
 
+from flashserve.engine.speculative.mlx_lm_internals import right_padding_pending, write_position
+
 Snapshot = list[tuple[ArraysCache, tuple[Any, ...]]]
 
 
@@ -32,7 +34,8 @@ def can_roll_back(cache: list[Any]) -> bool:
     """Whether every layer's cache is a BatchKVCache that holds keys, with no prompt
     padding pending on its right."""
     return bool(cache) and all(
-        type(c) is BatchKVCache and c.keys is not None and c._right_padding is None for c in cache
+        type(c) is BatchKVCache and c.keys is not None and not right_padding_pending(c)
+        for c in cache
     )
 
 
@@ -75,7 +78,7 @@ def roll_back(cache: list[BatchKVCache], drop: list[int]) -> None:
         return
     shifts = mx.array(extra)[:, None]
     for c in cache:
-        end = c._idx
+        end = write_position(c)
         # The buffer cut at the write position, so the roll wraps the rejected
         # keys to the front and not into the unused tail.
         c.keys = dynamic_roll(c.keys[..., :end, :], shifts, axis=2)
