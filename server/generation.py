@@ -49,7 +49,7 @@ def completion_budget(
     prompt_tokens: int,
     requested: int | None,
     context_length: int,
-    default_max_tokens: int,
+    default_max_tokens: int | None,
     prompt_param: str,
     max_tokens_param: str = "max_tokens",
     clamp: bool = False,
@@ -57,8 +57,11 @@ def completion_budget(
     """max_tokens for the engine; 400 when prompt + completion cannot fit the context.
 
     An explicit max_tokens must fit whole, unless `clamp` (the dialect reads it
-    as an upper bound: then it is cut to what the context has left); without
-    one, the default is capped the same way.
+    as an upper bound: then it is cut to what the context has left). Without
+    one, the answer may take what the context has left, as OpenAI's APIs and
+    llama.cpp's server do: agents (Codex sends `max_output_tokens: null`) fail
+    a turn cut at a fixed default. `default_max_tokens`, when the server sets
+    one, caps it.
     """
     if requested is not None and not clamp:
         if prompt_tokens + requested > context_length:
@@ -84,7 +87,8 @@ def completion_budget(
             anthropic_message=f"prompt is too long: {prompt_tokens} tokens > "
             f"{context_length - 1} maximum",
         )
-    return min(default_max_tokens if requested is None else requested, remaining)
+    cap = default_max_tokens if requested is None else requested
+    return remaining if cap is None else min(cap, remaining)
 
 
 @dataclass

@@ -62,7 +62,12 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
-    default_max_tokens: int = Field(2048, ge=1, description="max_tokens when a request sets none")
+    default_max_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="a cap on the output of a request that sets no limit; unset: it runs "
+        "until the model stops or the context is full (as OpenAI's APIs and llama.cpp do)",
+    )
     device: Literal["auto", "cpu", "gpu"] = Field(
         "auto", description="auto: the GPU where MLX has one (float16), else the CPU (float32)"
     )

@@ -2,7 +2,8 @@
 
 `codex exec --json` runs one turn non-interactively against an in-process
 scripted server (tests/agent_servers.py): a text turn, a shell-tool round trip
-through Codex's own sandbox, a first prefill slower than Codex's
+through Codex's own sandbox, an answer longer than the server's old default
+output limit (Codex sets no `max_output_tokens`), a first prefill slower than Codex's
 stream_idle_timeout_ms kept alive by `stream_keepalive` events, and a retry
 after an abandoned prefill that resumes from the prompt cache.
 
@@ -220,6 +221,25 @@ def test_shell_tool_round_trip(
     assert answer["call_id"] == asked["call_id"] and "flashserve-42" in answer["output"]
     tools = {t.get("name") for t in queue.bodies[0]["tools"] if t["type"] == "function"}
     assert "exec_command" in tools, tools
+
+
+def test_answer_past_the_old_default_limit_completes(
+    codex: Path, served: tuple[Server, list[Exchange]], tmp_path: Path
+) -> None:
+    """Codex sets no `max_output_tokens`: an answer longer than the 2048 tokens the
+    server used to default to runs to its end, and the turn completes (cut there, the
+    response was `incomplete` and Codex reported turn.failed)."""
+    server, log = served
+    # ~2.6k of the tiny tokenizer's near-byte tokens: past 2048, seconds of decoding.
+    answer = " ".join(f"line {i} of a long patch." for i in range(110))
+    queue = script_queue(answer)
+    write_config(tmp_path / "home", server, queue)
+    status, events, stderr = run_codex(codex, tmp_path / "home", tmp_path / "work", "Go.")
+    assert status == 0 and not of_type(events, "turn.failed"), (events[-3:], stderr[-2000:])
+    assert [m["text"] for m in items(events, "agent_message")] == [answer]
+    assert usage(events)["output_tokens"] > 2048
+    [post] = responses_posts(log, queue)
+    assert post.body.get("max_output_tokens") is None  # Codex sets no limit (absent or null)
 
 
 def test_slow_first_prefill_kept_alive(codex: Path, model_dir: Path, tmp_path: Path) -> None:

@@ -58,7 +58,7 @@ class ChatOptions:
 
     tool_parser: str | None = None
     reasoning_parser: str | None = None
-    default_max_tokens: int = 512
+    default_max_tokens: int | None = None  # unset: what the context has left
     prompt: PromptLimits = PromptLimits()
     stream_keepalive: float = 5.0  # seconds; 0: no keepalive events
     history_thinking: str = "empty"  # template | empty | keep (chat/think_history.py)

@@ -63,7 +63,7 @@ def run_chat(settings: Settings) -> int:
             continue
         request = GenerationRequest(
             prompt_tokens=list(prompt),
-            max_tokens=min(settings.default_max_tokens, room),
+            max_tokens=min(settings.default_max_tokens or room, room),
             sampling=SamplingParams(temperature=0.7, top_p=0.95),
         )
         try:

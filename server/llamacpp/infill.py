@@ -55,7 +55,7 @@ from flashserve.server.openai.common import GREEDY_BELOW
 class InfillOptions:
     """What the route reads from the settings and the loaded model."""
 
-    default_max_tokens: int
+    default_max_tokens: int | None
     vocab_size: int
     limits: PromptLimits = field(default_factory=PromptLimits)
 
@@ -71,6 +71,7 @@ async def create_infill(
     # Encoding is CPU work: on a render thread, within template_timeout (chat/prompts.py).
     # Room for the prompt: the context less what the fill may take (at most a quarter).
     wanted = body.n_predict if body.n_predict > 0 else options.default_max_tokens
+    wanted = wanted or loaded.context_length  # no limit: the fill's quarter below
     room = loaded.context_length - max(1, min(wanted, loaded.context_length // 4))
     prompt, fim, truncated = await run_render_job(
         lambda deadline: infill_prompt(loaded.tokenizer, body, room),

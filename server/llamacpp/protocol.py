@@ -49,7 +49,9 @@ class InfillRequest(_Strict, DepthLimited):
     )
     prompt: str = Field("", description="text added after input_prefix (the line so far)")
     n_predict: Annotated[int, Field(ge=-1), WHOLE] = Field(
-        -1, description="most tokens to generate; -1: the server's default_max_tokens"
+        -1,
+        description="most tokens to generate; -1: until the model stops or the context is "
+        "full (capped by the server's default_max_tokens when set)",
     )
     temperature: float | None = Field(None, ge=0.0, description="0: greedy (default 0.8)")
     top_k: Annotated[int, WHOLE] | None = Field(None, description="<= 0: off (default 40)")

@@ -49,7 +49,7 @@ async def create_completion(
     request: Request,
     loaded: LoadedModel,
     engine: Engine,
-    default_max_tokens: int,
+    default_max_tokens: int | None,
     vocab_size: int,
     limits: PromptLimits | None = None,
     keepalive: float = 0.0,
