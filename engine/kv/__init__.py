@@ -4,6 +4,9 @@
            sequence's cache (mlx-lm's QuantizedKVCache made batchable) and the
            batch's (left-padded like mlx-lm's BatchKVCache); `install` makes
            a loaded model hand them out instead of float caches.
+- `price`  what one sequence's caches hold per token of a context (plain
+           layers at kv_bits, sliding windows at most their window, in float):
+           the KV the memory plans reserve.
 """
 
 # What mx.quantize takes that is worth serving: the settings check them

@@ -1,4 +1,5 @@
-"""Decoder layers on SSD. May import engine.config, engine.weights and engine.experts.
+"""Decoder layers on SSD. May import engine.config, engine.kv, engine.weights and
+engine.experts.
 
 - `streamer`   LayerStreamer: streamed layers read just before they run
                (checked, prefetched on the weights reader's pool), released after.

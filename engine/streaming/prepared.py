@@ -19,8 +19,14 @@ from mlx.utils import tree_flatten
 
 from flashserve.engine.config import EngineConfig
 from flashserve.engine.experts.install import offload_from_config
+from flashserve.engine.kv.price import kv_bytes_per_token
 from flashserve.engine.streaming.memplan import apply_memory_plan, is_auto
-from flashserve.engine.streaming.residency import ResidencyManager, fmt_bytes, plan_residency
+from flashserve.engine.streaming.residency import (
+    MODES,
+    ResidencyManager,
+    fmt_bytes,
+    plan_residency,
+)
 from flashserve.engine.streaming.streamer import EMPTY, LayerInfo, LayerStreamer, Slot
 from flashserve.engine.weights.layout import (
     NON_LAYER_FILE,
@@ -126,39 +132,6 @@ def _load_non_layer(
     return sum(a.nbytes for a in weights.values())
 
 
-def kv_bytes_per_token(
-    model: nn.Module, config: dict, kv_bits: int | None = None, kv_group_size: int = 64
-) -> int:
-    """KV cache bytes per token: attention layers x 2 x kv_heads x head_dim x bytes per value.
-
-    A value is 4 bytes (float32), or with `kv_bits` its packed bits plus a
-    float32 scale and bias per `kv_group_size` values (engine/kv/).
-
-    Attention layers are counted from the model's own cache layout, so hybrid
-    models (linear-attention layers with constant-size state) count only
-    their full-attention layers.
-    """
-    from mlx_lm.models.cache import make_prompt_cache
-
-    text = config.get("text_config") or {}
-
-    def get(key: str, default: Any = None) -> Any:
-        return config.get(key, text.get(key, default))
-
-    heads = int(get("num_attention_heads", 1) or 1)
-    kv_heads = int(get("num_key_value_heads", heads) or heads)
-    head_dim = get("head_dim") or int(get("hidden_size", 0)) // heads
-    try:
-        caches = make_prompt_cache(model)
-        attention = sum(1 for c in caches if "KVCache" in type(c).__name__)
-    except Exception:  # a model whose cache needs more than its config
-        attention = int(get("num_hidden_layers", 0))
-    values = attention * 2 * kv_heads * int(head_dim)
-    if kv_bits is None:
-        return values * 4
-    return values * kv_bits // 8 + values // kv_group_size * 2 * 4
-
-
 def runtime_reserve(config: dict, engine: EngineConfig) -> int:
     """R_runtime: memory for activations and the MLX runtime beyond weights and KV.
 
@@ -236,7 +209,16 @@ def load_prepared(path: Path, config: EngineConfig) -> LoadedModel:
         streamer.detach_experts()
     context_length = context_length_of(model_config)
     layer_bytes = [streamer.layer_bytes(i) for i in range(len(infos))]
-    kv_per_token = kv_bytes_per_token(model, model_config, config.kv_bits, config.kv_group_size)
+    # Priced for the context the plans reserve: a sliding window holds less per token
+    # the longer the context.
+    kv_per_token = kv_bytes_per_token(
+        model,
+        model_config,
+        config.kv_bits,
+        config.kv_group_size,
+        tokens=MODES.get(config.residency_mode) or context_length,
+        chunk=config.prefill_step_size,
+    )
     if is_auto(config.expert_cache):
         # The memory plan writes its numbers into `config` (the worker's too).
         streamer.memory_plan = apply_memory_plan(
