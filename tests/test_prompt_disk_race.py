@@ -13,6 +13,7 @@ the byte budget.
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -129,8 +130,8 @@ def test_a_lookup_waits_for_the_queued_write_that_serves_it(
     tiny_llama_dir: Path, tmp_path: Path, monkeypatch
 ) -> None:
     """The answer's state, larger than the memory tier, is only on its way to disk
-    when the next turn looks its prefix up: the lookup waits for that write
-    instead of settling for the prompt's shorter entry (or nothing)."""
+    when the next turn looks its prefix up: the lookup is served that state (from
+    the queued write) instead of settling for the prompt's shorter entry."""
     from flashserve.engine.prompt_cache.cache import PromptCache
 
     model, _ = mlx_load(str(tiny_llama_dir))
@@ -149,4 +150,50 @@ def test_a_lookup_waits_for_the_queued_write_that_serves_it(
     cache.store(answered, _state(model, answered))
     state, reused = cache.fetch([*answered, 65, 66])
     assert state is not None and reused == len(answered)
+    tier.close()
+
+
+def test_a_lookup_never_waits_for_the_writer(
+    tiny_llama_dir: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """Another conversation's state is being written (the writer held there) and this
+    conversation's answer is queued behind it, gone from a memory tier too small
+    for it: the next turn is served at once with the answer's state, bit for bit,
+    waiting neither for the other conversation's write nor for its own."""
+    from flashserve.engine.prompt_cache.cache import PromptCache
+
+    model, _ = mlx_load(str(tiny_llama_dir))
+    tier = DiskTier(tmp_path, 1 << 30, "race-model")
+    cache = PromptCache(1, "race-model", disk=tier)  # no state fits in memory
+    writing, release = threading.Event(), threading.Event()
+    write = tier._write
+
+    def held_write(entry):
+        writing.set()
+        release.wait(60)  # a large state on a busy disk
+        write(entry)
+
+    monkeypatch.setattr(tier, "_write", held_write)
+    try:
+        other = [9, 8, 7, *PROMPT]
+        cache.store(other, _state(model, other))
+        assert writing.wait(10)
+        answered = [*PROMPT, 61, 62, 63, 64]
+        cache.store(answered, _state(model, answered))
+        start = time.monotonic()
+        state, reused = cache.fetch([*answered, 65, 66])
+        waited = time.monotonic() - start
+        # A prompt the queued state runs past is served its common prefix (trimmed).
+        diverged, diverged_reused = cache.fetch([*PROMPT, 61, 62, 99])
+    finally:
+        release.set()
+    assert waited < 1.0 and reused == len(answered), (waited, reused)
+    expected = _state(model, answered)
+    for got, want in zip(state, expected, strict=True):
+        assert got.offset == want.offset
+        n = want.offset
+        assert mx.array_equal(got.keys[:, :, :n], want.keys[:, :, :n])
+        assert mx.array_equal(got.values[:, :, :n], want.values[:, :, :n])
+    assert diverged is not None and diverged_reused == len(PROMPT) + 2
+    assert all(c.offset == len(PROMPT) + 2 for c in diverged)
     tier.close()

@@ -15,7 +15,8 @@ Two tiers:
   `prompt_cache_dir` (only the tokens past the longest prefix already there,
   for attention KV), so what memory evicted, and what a past run of the same
   weights computed, is read back instead of prefilled. A disk entry read
-  back moves into memory.
+  back moves into memory. A state still queued for writing serves a lookup
+  from its bytes in memory: a lookup never waits for the writer.
 
 An entry that runs past the new prompt (the prompt diverged, e.g. a template
 dropped earlier reasoning) is trimmed to the common prefix, never more. A
@@ -49,12 +50,9 @@ log = logging.getLogger(__name__)
 # Entries are bounded by bytes; the count bound of LRUPromptCache is not used.
 _NO_COUNT_LIMIT = 1 << 30
 # Under memory pressure, how long shrink() waits for queued disk writes (a
-# state of a few MB to a few hundred MB at SSD speed).
+# state of a few MB to a few hundred MB at SSD speed): a queued state holds its
+# memory until it is written.
 SHRINK_FLUSH_SECONDS = 5.0
-# How long a lookup waits for a queued disk write that would serve more of its
-# prompt than what it found (a state of tens of MB at SSD speed: a fraction of
-# a second; a prefill of those tokens takes far longer).
-QUEUED_WAIT_SECONDS = 5.0
 
 
 @dataclass
@@ -105,11 +103,16 @@ class PromptCache:
         cache, reused = self._from_memory(prompt)
         tier = "memory" if cache is not None else None
         if self.disk is not None:
-            if self.disk.queued_serves(prompt) > reused:
-                # A better state is still being written (the answer just ended).
-                self.disk.flush(QUEUED_WAIT_SECONDS)
             found = self.disk.lookup(prompt)
-            if found is not None and found[2] > reused:
+            queued = self.disk.queued(prompt)
+            if queued is not None and queued[1] > max(reused, found[2] if found else 0):
+                # A better state is still on its way to disk (the answer just ended):
+                # taken from the queued write's bytes, never waited for.
+                entry, reused = queued
+                cache, tier = prompt_files.restore(entry), "disk"
+                if len(entry.tokens) > reused:
+                    trim_prompt_cache(cache, len(entry.tokens) - reused)
+            elif found is not None and found[2] > reused:
                 from_disk = self._from_disk(*found)
                 if from_disk is not None:
                     cache, reused, tier = from_disk, found[2], "disk"

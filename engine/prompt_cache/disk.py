@@ -75,7 +75,7 @@ def default_dir(fingerprint: str | None = None) -> Path:
 
 @dataclass
 class DiskStats:
-    hits: int = 0  # prompts that started from an entry read back from disk
+    hits: int = 0  # prompts that started from an entry read back, or still queued
     misses: int = 0  # prompts the memory tier missed and no entry here could serve
     bytes_read: int = 0
     bytes_written: int = 0
@@ -118,7 +118,7 @@ class DiskTier:
         self._ours: dict[str, _Entry] = {}
         self._sizes: OrderedDict[str, int] = OrderedDict()  # every file, oldest use first
         self._jobs: queue.Queue[PreparedEntry | None] = queue.Queue(_WRITE_QUEUE)
-        self._queued: list[list[int]] = []  # tokens of the entries put and not yet written
+        self._queued: list[PreparedEntry] = []  # entries put and not yet written
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._scan()
         self._writer = threading.Thread(
@@ -188,36 +188,44 @@ class DiskTier:
     def put(self, entry: PreparedEntry) -> None:
         """Queue `entry` for writing; dropped (and counted) when the writer is behind."""
         with self._lock:
-            self._queued.append(entry.tokens)
+            self._queued.append(entry)
         try:
             self._jobs.put_nowait(entry)
         except queue.Full:
             self.stats.dropped += 1
             self._done(entry)
 
-    def queued_serves(self, prompt: list[int]) -> int:
-        """The most tokens of `prompt` an entry still waiting to be written would serve.
+    def queued(self, prompt: list[int]) -> tuple[PreparedEntry, int] | None:
+        """(entry, prompt tokens it can serve) of the best entry still waiting to be
+        written, its state taken from memory (prompt_files.restore), not from disk.
 
         An agent sends its next turn the moment an answer ends, while that
         answer's state may still be on its way to disk (and, larger than the
-        memory tier, already gone from memory): fetch() waits for it then.
+        memory tier, already gone from memory). The queued entry holds the
+        state's bytes until it is written: the lookup takes them there and
+        waits for no write, its own or another conversation's (the worker
+        thread would hold every stream meanwhile).
         """
         with self._lock:
             queued = list(self._queued)
-        best = 0
-        for tokens in queued:
+        best = None
+        for entry in queued:
             common = 0
-            for a, b in zip(tokens, prompt, strict=False):
+            for a, b in zip(entry.tokens, prompt, strict=False):
                 if a != b:
                     break
                 common += 1
-            best = max(best, min(common, len(prompt) - 1))
+            usable = min(common, len(prompt) - 1)
+            if len(entry.tokens) > usable and not entry.trimmable:
+                continue  # recurrent state cannot be cut back to the common prefix
+            if usable > 0 and (best is None or usable > best[1]):
+                best = (entry, usable)
         return best
 
     def _done(self, entry: PreparedEntry) -> None:
         with self._lock:
-            for i, tokens in enumerate(self._queued):
-                if tokens is entry.tokens:
+            for i, queued in enumerate(self._queued):
+                if queued is entry:
                     del self._queued[i]
                     break
 

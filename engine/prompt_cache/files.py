@@ -208,18 +208,33 @@ def read(path: Path, model: str) -> Segment:
         raise EntryError(f"payload is {len(payload)} bytes, header says otherwise (truncated?)")
     if hashlib.blake2b(payload, digest_size=32).hexdigest() != header["payload"]:
         raise EntryError("payload checksum mismatch")
-    arrays, offset = [], 0
+    buffers, offset = [], 0
     buffer = np.frombuffer(payload, dtype=np.uint8)
     for dtype, shape, nbytes in specs:
+        buffers.append((dtype, shape, buffer[offset : offset + nbytes]))
+        offset += nbytes
+    return Segment(_entry_header(header, model, size), _build(header["skeleton"], buffers))
+
+
+def restore(entry: PreparedEntry) -> list[Any]:
+    """A private copy of the state `entry` holds (its write may still be queued):
+    what writing it whole and reading it back gives, without the disk."""
+    views = entry.arrays
+    if entry.splittable:  # only the state's positions, not the buffer's spare room
+        views = prompt_segments.slice_views(views, 0, len(entry.tokens))
+    buffers = [(dtype, shape, np.frombuffer(view, dtype=np.uint8)) for dtype, shape, view in views]
+    cache = _build(entry.skeleton, buffers)
+    return prompt_segments.join([cache], [len(entry.tokens)]) if entry.splittable else cache
+
+
+def _build(skeleton: list[Any], buffers: list[tuple[str, list[int], np.ndarray]]) -> list[Any]:
+    """The caches of `skeleton`, their arrays copied out of raw bytes (dtype, shape)."""
+    arrays = []
+    for dtype, shape, raw in buffers:
         if dtype not in _DTYPES:
             raise EntryError(f"unknown dtype {dtype!r}")
-        raw = mx.array(buffer[offset : offset + nbytes])
-        arrays.append(raw.view(_DTYPES[dtype]).reshape(shape))
-        offset += nbytes
-    cache = [
-        _cache_class(name).from_state(_rebuild(state, arrays)) for name, state in header["skeleton"]
-    ]
-    return Segment(_entry_header(header, model, size), cache)
+        arrays.append(mx.array(raw).view(_DTYPES[dtype]).reshape(shape))
+    return [_cache_class(name).from_state(_rebuild(state, arrays)) for name, state in skeleton]
 
 
 def _entry_header(header: dict[str, Any], model: str, size: int) -> EntryHeader:

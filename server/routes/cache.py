@@ -103,7 +103,10 @@ class PromptDiskView(BaseModel):
     entries: int = Field(description="entries of this model")
     bytes: int = Field(description="bytes of this model's entries")
     dir_bytes: int = Field(description="bytes of every entry in the directory")
-    hits: int = Field(description="prompts served from an entry read back from disk")
+    hits: int = Field(
+        description="prompts served from an entry read back from disk, or from a state "
+        "still queued for writing (its bytes in memory)"
+    )
     misses: int = Field(description="prompts neither tier could serve")
     bytes_read: int
     bytes_written: int
