@@ -13,6 +13,7 @@ prompt cache on: a later turn prefills only what it adds.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import subprocess
@@ -26,6 +27,7 @@ from .agent_install import npm_client
 from .agent_servers import ONE_LAYER, make_agent_model
 from .conftest import Server
 from .scripted import ScriptQueue, script_queue, scripted_server
+from .test_tool_images import PLACEHOLDER, PNG
 
 VERSION = "2.1.197"
 CONTEXT = 262144
@@ -75,7 +77,7 @@ def run_claude(claude: Path, server: Server, queue: ScriptQueue, tmp: Path, prom
     home = tmp / "home"
     work = tmp / "work"
     home.mkdir()
-    work.mkdir()
+    work.mkdir(exist_ok=True)  # a test may put files in the workspace first
     cmd = [str(claude), "-p", prompt, "--output-format", "json"]
     # Root may not skip permissions; allowing Bash by rule is what a -p run needs.
     cmd += ["--allowedTools", "Bash"]
@@ -140,3 +142,44 @@ def test_background_task_notification(claude: Path, server: Server, tmp_path: Pa
         "content": [{"type": "text", "text": "Waiting for the task."}],
     }
     assert served_system_message(queue)
+
+
+def test_read_of_a_png_goes_on(claude: Path, server: Server, tmp_path: Path) -> None:
+    """Read opens a PNG; its tool_result holds the image. The text-only model reads a
+    placeholder instead (a 400 would end the session: Claude Code does not retry it)."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "shot.png").write_bytes(base64.b64decode(PNG))  # a 1x1 screenshot
+    call = tool_call("Read", {"file_path": str(work / "shot.png")})
+    queue = script_queue(call, "The screenshot is one pixel.")
+    result = run_claude(claude, server, queue, tmp_path, "What is in shot.png?")
+    assert result["result"] == "The screenshot is one pixel."
+    assert result["is_error"] is False
+    assert len(queue.bodies) == 2
+    # Claude Code sent the image inside the tool_result...
+    sent = queue.bodies[1]
+    [result_block] = [
+        block
+        for block in sent["messages"][-1]["content"]
+        if isinstance(block, dict) and block.get("type") == "tool_result"
+    ]
+    images = [part for part in result_block["content"] if part["type"] == "image"]
+    assert images and images[0]["source"]["type"] == "base64", result_block
+
+    # ...and the model's prompt held the placeholder in its place: the same request
+    # with the placeholder written as text counts the same tokens; without it, fewer.
+    def count(parts: list[dict[str, Any]]) -> int:
+        block = {**result_block, "content": parts}
+        last = {**sent["messages"][-1], "content": [
+            block if part is result_block else part for part in sent["messages"][-1]["content"]
+        ]}  # fmt: skip
+        body = {k: sent[k] for k in ("model", "system", "tools") if k in sent}
+        body["messages"] = [*sent["messages"][:-1], last]
+        answer = server.http().post("/v1/messages/count_tokens", json=body)
+        assert answer.status_code == 200, answer.text
+        return answer.json()["input_tokens"]
+
+    parts = result_block["content"]
+    written = [{"type": "text", "text": PLACEHOLDER} if p["type"] == "image" else p for p in parts]
+    text = [part for part in parts if part["type"] != "image"]
+    assert count(parts) == count(written) > count(text)

@@ -3,7 +3,8 @@
 `codex exec --json` runs one turn non-interactively against an in-process
 scripted server (tests/agent_servers.py): a text turn, a shell-tool round trip
 through Codex's own sandbox, an answer longer than the server's old default
-output limit (Codex sets no `max_output_tokens`), a first prefill slower than Codex's
+output limit (Codex sets no `max_output_tokens`), view_image of a PNG (read
+by the text-only model as a placeholder), a first prefill slower than Codex's
 stream_idle_timeout_ms kept alive by `stream_keepalive` events, and a retry
 after an abandoned prefill that resumes from the prompt cache.
 
@@ -17,6 +18,7 @@ prefill, which is what the keepalive and retry tests need.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import subprocess
@@ -30,6 +32,7 @@ from .agent_install import npm_client
 from .agent_servers import Exchange, agent_server, context_length, make_agent_model
 from .conftest import Server
 from .scripted import ScriptQueue, script_queue
+from .test_tool_images import PNG
 
 CODEX = ("@openai/codex", "0.171.0", "codex")
 RUN_TIMEOUT_S = 240.0
@@ -240,6 +243,27 @@ def test_answer_past_the_old_default_limit_completes(
     assert usage(events)["output_tokens"] > 2048
     [post] = responses_posts(log, queue)
     assert post.body.get("max_output_tokens") is None  # Codex sets no limit (absent or null)
+
+
+def test_view_image_of_a_png_goes_on(
+    codex: Path, served: tuple[Server, list[Exchange]], tmp_path: Path
+) -> None:
+    """Codex's view_image tool answers with an input_image: the text-only model reads a
+    placeholder in its place (tests/test_tool_images.py shows what it reads), and the
+    turn goes on (a 400 failed it)."""
+    server, _ = served
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "shot.png").write_bytes(base64.b64decode(PNG))
+    call = {"name": "view_image", "arguments": {"path": str(work / "shot.png")}}
+    queue = script_queue(f"<tool_call>\n{json.dumps(call)}\n</tool_call>", "One red pixel.")
+    write_config(tmp_path / "home", server, queue)
+    status, events, stderr = run_codex(codex, tmp_path / "home", work, "What is in shot.png?")
+    assert status == 0, (events[-3:], stderr[-2000:])
+    assert [m["text"] for m in items(events, "agent_message")][-1] == "One red pixel."
+    sent = queue.bodies[1]
+    [answer] = [i for i in sent["input"] if i["type"] == "function_call_output"]
+    assert [part["type"] for part in answer["output"]] == ["input_image"], answer
 
 
 def test_slow_first_prefill_kept_alive(codex: Path, model_dir: Path, tmp_path: Path) -> None:

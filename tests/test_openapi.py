@@ -150,6 +150,19 @@ def event_data_schema(schema: dict[str, Any]) -> dict[str, Any]:
     return next(b for b in branches if "contentSchema" in b)
 
 
+# A call and its output, in Chat Completions and in Responses.
+CALLED = {
+    "role": "assistant",
+    "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+}
+CALL_ITEM = {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}
+OUTPUT_ITEM = {"type": "function_call_output", "call_id": "c"}
+
+
+def tool_output(part: dict[str, Any]) -> dict[str, Any]:
+    return {"role": "tool", "tool_call_id": "c", "content": [part]}
+
+
 # (path, body, accepted): the document's schema and the server must give the same verdict.
 VERDICTS: list[tuple[str, dict[str, Any], bool]] = [
     (CHAT, {"messages": USER}, True),
@@ -174,6 +187,13 @@ VERDICTS: list[tuple[str, dict[str, Any], bool]] = [
     (CHAT, {"messages": USER, "stop": ["x"] * 17}, False),
     (CHAT, {"messages": USER, "chat_template_kwargs": {"messages": []}}, False),
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, False),
+    # An image in a tool's output is read as a placeholder (an agent's tool sent it).
+    (
+        CHAT,
+        {"messages": [*USER, CALLED, tool_output({"type": "image_url", "image_url": {}})]},
+        True,
+    ),
+    (CHAT, {"messages": [*USER, CALLED, tool_output({"type": "input_audio"})]}, False),
     (COMPLETIONS, {"prompt": "a"}, True),
     (COMPLETIONS, {"prompt": [[1, 2]], "echo": False, "suffix": "", "best_of": 1}, True),
     (COMPLETIONS, {"prompt": [3.0]}, True),
@@ -207,6 +227,16 @@ VERDICTS: list[tuple[str, dict[str, Any], bool]] = [
     # Input items and function tools are typed (were: any object).
     (RESPONSES, {"input": [{"content": "a"}]}, False),
     (RESPONSES, {"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, False),
+    (
+        RESPONSES,
+        {"input": [*USER, CALL_ITEM, {**OUTPUT_ITEM, "output": [{"type": "input_image"}]}]},
+        True,
+    ),
+    (
+        RESPONSES,
+        {"input": [*USER, CALL_ITEM, {**OUTPUT_ITEM, "output": [{"type": "input_file"}]}]},
+        False,
+    ),
     (RESPONSES, {"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, False),
     (RESPONSES, {"input": "hi", "tools": [{"type": "function"}]}, False),
     (RESPONSES, {"input": "hi", "tools": [{"type": "function", "name": "a b"}]}, False),

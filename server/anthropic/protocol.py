@@ -12,7 +12,9 @@ request models are strict (JSON `true` is not the integer 1, `"0.5"` is not a
 number; 2.0 is an integer, as JSON Schema counts), and content the server cannot
 honour (images, documents, a block in the wrong role's message) is not in the
 schema: a before-validator refuses it with a message that says why, instead of
-pydantic's "does not match any of the expected tags".
+pydantic's "does not match any of the expected tags". An image or document
+inside a `tool_result` is the exception: an agent's tool (Claude Code's Read)
+put it there, so it is accepted and the model reads a placeholder instead.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ MAX_STOP_SEQUENCES = 16
 TOOL_NAME = r"^[A-Za-z0-9_.:-]+$"
 # Content a text-only model cannot read: refused with a clear message.
 MEDIA = ("image", "document", "search_result", "container_upload")
+# What a tool_result may hold besides text: read by the model as a placeholder.
+TOOL_RESULT_MEDIA = ("image", "document")
 USER_BLOCKS = ("text", "tool_result")
 ASSISTANT_BLOCKS = ("text", "tool_use", "thinking", "redacted_thinking")
 
@@ -83,7 +87,19 @@ def _refuse_block(allowed: tuple[str, ...], where: str) -> BeforeValidator:
     return BeforeValidator(check)
 
 
-ToolResultContent = Annotated[TextBlock, _refuse_block(("text",), "A tool_result")]
+class MediaBlock(_Block):
+    """An image or a document inside a tool_result (Claude Code's Read of a PNG or a
+    PDF): the model reads a placeholder in its place (anthropic/translate.py)."""
+
+    type: Literal["image", "document"]
+    source: dict[str, Any]
+
+
+ToolResultContent = Annotated[
+    TextBlock | MediaBlock,
+    Field(discriminator="type"),
+    _refuse_block(("text", *TOOL_RESULT_MEDIA), "A tool_result"),
+]
 
 
 class ToolResultBlock(_Block):

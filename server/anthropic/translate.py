@@ -5,7 +5,8 @@ string or text blocks) the system message; an assistant message's text blocks
 its content, its `tool_use` blocks its tool_calls (arguments = the input as
 JSON text) and its `thinking` blocks its reasoning_content (templates that
 show past reasoning read it); a user message's `tool_result` blocks role
-"tool" messages, in order, between the user text around them. Tools become
+"tool" messages, in order, between the user text around them (an image or
+document in one is a placeholder: http/ignored.py omitted_media). Tools become
 function tools, tool_choice auto / any / tool / none the pipeline's auto /
 required / named / none, `disable_parallel_tool_use` parallel_tool_calls
 false, and `output_config.format` (structured output) a json_schema
@@ -35,6 +36,7 @@ from flashserve.server.anthropic.protocol import (
 )
 from flashserve.server.chat.conversation import ChatRequest
 from flashserve.server.http.errors import invalid_request
+from flashserve.server.http.ignored import omitted_media
 from flashserve.server.openai.common import GREEDY_BELOW
 
 log = logging.getLogger(__name__)
@@ -47,8 +49,8 @@ TOOL_ERROR_PREFIX = "Error: "
 def chat_request(body: ConversationFields, vocab_size: int) -> ChatRequest:
     """The pipeline's request for a Messages (or count_tokens) body; 400 on what
     this server cannot serve and no schema can state (a final assistant message, a
-    tool_choice that names no client tool). Images and documents never get here:
-    the request models refuse them."""
+    tool_choice that names no client tool). Images and documents get here only
+    inside a tool_result, as placeholders: the request models refuse the rest."""
     tools = _tools(body)
     choice = body.tool_choice
     request = ChatRequest(
@@ -228,7 +230,12 @@ def _tool_message(block: ToolResultBlock, tool_names: dict[str, str]) -> dict[st
     if block.content is None or isinstance(block.content, str):
         content = block.content or ""
     else:
-        content = "\n".join(part.text for part in block.content)
+        content = "\n".join(
+            part.text
+            if isinstance(part, TextBlock)
+            else omitted_media("a tool_result (Anthropic Messages)", part.type)
+            for part in block.content
+        )
     if block.is_error:
         content = TOOL_ERROR_PREFIX + content
     out = {"role": "tool", "tool_call_id": block.tool_use_id, "content": content}

@@ -6,6 +6,12 @@ headers. Refusing them would fail a whole agent turn; dropping them silently
 hides what a client expected. Each name is logged once per process, at INFO,
 the first time a request carries it; at most MAX_NAMES names are
 remembered, so a client inventing names cannot grow memory or the log.
+
+Media inside a tool's output (an agent's Read or view_image tool opened a
+PNG) is the same kind of thing: the agent did not choose to send it, and a
+400 ends its session (Claude Code does not retry one). For this text-only
+server it becomes a short placeholder the model reads instead, logged once
+per place and kind. Media a user sends in their own message is still refused.
 """
 
 from __future__ import annotations
@@ -35,6 +41,24 @@ def note_ignored(where: str, names: Iterable[str], what: str = "field") -> None:
                 continue
             _seen.add(key)
         log.info("%s: %s %r accepted and not acted on", where, what, key[1])
+
+
+_omitted: set[tuple[str, str]] = set()
+
+
+def omitted_media(where: str, kind: str = "image") -> str:
+    """The text a model reads in place of a tool output's `kind` of media (`where`:
+    the dialect's name for the place); logged once per place and kind."""
+    with _lock:
+        first = (where, kind) not in _omitted
+        _omitted.add((where, kind))
+    if first:
+        log.warning(
+            "%s: %s replaced by a placeholder: this model accepts text only (logged once)",
+            where,
+            kind,
+        )
+    return f"[{kind} omitted: this model accepts text only]"
 
 
 class NotesIgnoredFields(BaseModel):

@@ -37,6 +37,7 @@ from flashserve.server.generation import (
     with_keepalive,
 )
 from flashserve.server.http.errors import invalid_request
+from flashserve.server.http.ignored import omitted_media
 from flashserve.server.http.sse import EventStream
 from flashserve.server.openai.common import choice_count, sampling_params, usage
 from flashserve.server.openai.logprobs import TokenStrings, chat_logprobs, token_strings
@@ -52,10 +53,13 @@ from flashserve.server.openai.protocol import (
     ContentPart,
     FunctionCallOut,
     FunctionDelta,
+    ImagePart,
     ToolCallOut,
     Usage,
 )
 from flashserve.server.openai.protocol import ToolCallDelta as ToolCallDeltaOut
+
+Part = ContentPart | ImagePart
 
 
 def chat_request(body: ChatCompletionRequest, vocab_size: int, max_batch: int = 1) -> ChatRequest:
@@ -88,7 +92,7 @@ def chat_request(body: ChatCompletionRequest, vocab_size: int, max_batch: int = 
     )
 
 
-def _template_message(data: dict[str, Any], content: str | Sequence[ContentPart] | None) -> dict:
+def _template_message(data: dict[str, Any], content: str | Sequence[Part] | None) -> dict:
     data["content"] = content_text(content) or ""
     if data["role"] == "developer":
         # Chat templates predate the developer role; it is a system message.
@@ -96,11 +100,17 @@ def _template_message(data: dict[str, Any], content: str | Sequence[ContentPart]
     return data
 
 
-def content_text(content: str | Sequence[ContentPart] | None) -> str | None:
-    """A message's content as one string: text parts are joined with newlines."""
+def content_text(content: str | Sequence[Part] | None) -> str | None:
+    """A message's content as one string: text parts are joined with newlines; an
+    image (only a tool message may hold one) is a placeholder."""
     if content is None or isinstance(content, str):
         return content
-    return "\n".join(part.text or "" for part in content)
+    return "\n".join(
+        part.text or ""
+        if isinstance(part, ContentPart)
+        else omitted_media("a tool message (Chat Completions)")
+        for part in content
+    )
 
 
 async def create_chat_completion(

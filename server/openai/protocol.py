@@ -231,6 +231,31 @@ class ContentPart(_Strict):
 Content = str | list[ContentPart]
 
 
+class ImagePart(_Strict):
+    """An image in a tool message's content (an agent's tool opened an image file): the
+    model reads a placeholder in its place (openai/chat.py). A user's own image is
+    refused (ContentPart)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["image_url"]
+    image_url: dict[str, Any]
+
+
+def _tool_part(value: Any) -> Any:
+    kind = value.get("type") if isinstance(value, dict) else None
+    if isinstance(kind, str) and kind not in ("text", "image_url"):
+        raise ValueError(
+            f"content part type {kind[:40]!r} is not supported in a tool message: text, or "
+            "image_url (read by this text-only model as a placeholder)"
+        )
+    return value
+
+
+ToolContentPart = Annotated[
+    ContentPart | ImagePart, Field(discriminator="type"), BeforeValidator(_tool_part)
+]
+
+
 # A string holding a JSON object (contentSchema is an annotation: no JSON Schema
 # validator asserts it, so this is one of the checks beyond the schema).
 JSON_OBJECT_TEXT = {"contentMediaType": "application/json", "contentSchema": {"type": "object"}}
@@ -291,7 +316,7 @@ class AssistantMessage(_Message):
 
 class ToolMessage(_Message):
     role: Literal["tool"]
-    content: Content
+    content: str | list[ToolContentPart]
     tool_call_id: str | None = None
 
 

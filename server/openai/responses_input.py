@@ -4,7 +4,9 @@ Input items become messages in the chat-template shape: user / system /
 developer messages as they are (developer is system), and each assistant turn
 gathered from the items that make it (reasoning -> `reasoning_content`,
 assistant message text -> `content`, function_call -> `tool_calls`), closed by
-the next user message or function_call_output (-> a `tool` message).
+the next user message or function_call_output (-> a `tool` message; an
+`input_image` in its output, which Codex's view_image tool sends, is read by
+this text-only model as a placeholder, while a user's own image is a 400).
 `instructions` and the system messages the input opens with become one system
 message (many chat templates accept a system message only first). Items are
 validated one by one, so an error names the item as OpenAI does
@@ -22,6 +24,7 @@ from pydantic import BaseModel, ValidationError
 
 from flashserve.server.chat.conversation import ChatRequest
 from flashserve.server.http.errors import MAX_JSON_DEPTH, invalid_request, nested_deeper_than
+from flashserve.server.http.ignored import omitted_media
 from flashserve.server.openai.common import sampling_params
 from flashserve.server.openai.protocol import FunctionDefinition, SamplingFields
 from flashserve.server.openai.responses_protocol import (
@@ -147,7 +150,7 @@ def _path(loc: Any) -> str:
     return out
 
 
-def _text(content: str | list[ContentPartIn], param: str) -> str:
+def _text(content: str | list[ContentPartIn], param: str, tool_output: bool = False) -> str:
     if isinstance(content, str):
         return content
     texts = []
@@ -156,6 +159,8 @@ def _text(content: str | list[ContentPartIn], param: str) -> str:
             texts.append(part.text)
         elif part.type == "refusal" and part.refusal is not None:
             texts.append(part.refusal)
+        elif tool_output and part.type == "input_image":
+            texts.append(omitted_media("a function_call_output (Responses)"))
         else:
             shown = repr(part.type)[:60]
             raise invalid_request(
@@ -203,7 +208,7 @@ def to_messages(entries: list[tuple[Any, str]]) -> list[dict[str, Any]]:
                     f"{param}.call_id",
                     "invalid_value",
                 )
-            output = _text(item.output, f"{param}.output")
+            output = _text(item.output, f"{param}.output", tool_output=True)
             messages.append(
                 {
                     "role": "tool",

@@ -45,36 +45,44 @@ TOOL_SCHEMA = {
 # The input items as openai/responses_input.py takes them, item by item (the item
 # models in responses_protocol.py validate; this is their published shape).
 _OPTIONAL_TEXT = {"type": ["string", "null"]}
+_TEXT_PARTS = [
+    {
+        "type": "object",
+        "properties": {
+            "type": {"enum": ["input_text", "output_text", "text"]},
+            "text": {"type": "string"},
+            "refusal": _OPTIONAL_TEXT,
+        },
+        "required": ["type", "text"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "type": {"const": "refusal"},
+            "refusal": {"type": "string"},
+            "text": _OPTIONAL_TEXT,
+        },
+        "required": ["type", "refusal"],
+    },
+]
 _CONTENT_SCHEMA = {
+    "anyOf": [{"type": "string"}, {"type": "array", "items": {"anyOf": _TEXT_PARTS}}],
+    "description": "text, or text parts (input_text, output_text, refusal): text only",
+}
+# A function_call_output may also hold images (Codex's view_image tool): the model
+# reads a placeholder in their place.
+_IMAGE_PART = {
+    "type": "object",
+    "properties": {"type": {"const": "input_image"}},
+    "required": ["type"],
+}
+_OUTPUT_SCHEMA = {
     "anyOf": [
         {"type": "string"},
-        {
-            "type": "array",
-            "items": {
-                "anyOf": [
-                    {
-                        "type": "object",
-                        "properties": {
-                            "type": {"enum": ["input_text", "output_text", "text"]},
-                            "text": {"type": "string"},
-                            "refusal": _OPTIONAL_TEXT,
-                        },
-                        "required": ["type", "text"],
-                    },
-                    {
-                        "type": "object",
-                        "properties": {
-                            "type": {"const": "refusal"},
-                            "refusal": {"type": "string"},
-                            "text": _OPTIONAL_TEXT,
-                        },
-                        "required": ["type", "refusal"],
-                    },
-                ]
-            },
-        },
+        {"type": "array", "items": {"anyOf": [*_TEXT_PARTS, _IMAGE_PART]}},
     ],
-    "description": "text, or text parts (input_text, output_text, refusal): text only",
+    "description": "text, or text parts and input_image parts (this text-only model reads "
+    "a placeholder in an image's place)",
 }
 _ITEM_FIELDS = {"id": _OPTIONAL_TEXT, "status": _OPTIONAL_TEXT}
 _CALL_ID = {"type": "string", "minLength": 1}
@@ -118,7 +126,7 @@ INPUT_ITEM_SCHEMAS = [
         "properties": {
             "type": {"const": "function_call_output"},
             "call_id": _CALL_ID,
-            "output": _CONTENT_SCHEMA,
+            "output": _OUTPUT_SCHEMA,
             **_ITEM_FIELDS,
         },
         "required": ["type", "call_id", "output"],
