@@ -4,11 +4,13 @@ reused only the prompt, or nothing with the disk tier off).
 
 A shed floor far above any real free memory makes every memory check (every
 64 batch steps, after that step's answers are stored) shed: the pressure hooks
-shrink the expert cache and the prompt cache's memory tier, then resident
-layers stream. The answer's length is chosen so that its last step is such a
-check. The answer is forced to one token (logit_bias), so the next turn's
-prompt holds exactly the answer's tokens, whatever the tokenizer would make
-of its text.
+shrink the expert cache and the prompt cache's memory tier (to its newest
+entry), then resident layers stream. The answer's length is chosen so that
+its last step is such a check, and the server is asked whether it was: its
+step count ends on a check, and its memory tier holds one entry, so a check
+ran after the answer's state was stored. The answer is forced to one token
+(logit_bias), so the next turn's prompt holds exactly the answer's tokens,
+whatever the tokenizer would make of its text.
 """
 
 from __future__ import annotations
@@ -17,12 +19,12 @@ from pathlib import Path
 
 import pytest
 
+from flashserve.engine.generation.worker import MEMORY_CHECK_INTERVAL as CHECK_EVERY
 from tests.conftest import start_server, stop_server
 from tests.streaming_fixtures import prepared_model
 
 PROMPT = [10 + i % 200 for i in range(300)]
 ANSWER_TOKEN = 77
-CHECK_EVERY = 64  # generation/worker.py's MEMORY_CHECK_INTERVAL
 
 
 def _complete(http, prompt: list[int], tokens: int) -> int:
@@ -73,7 +75,12 @@ def test_next_turn_reuses_prompt_and_answer_after_shedding(
             tokens = (CHECK_EVERY - start % CHECK_EVERY) % CHECK_EVERY
             tokens += CHECK_EVERY if tokens < 8 else 0
             cached = _complete(http, prompt, tokens)
-            assert (start + tokens) % CHECK_EVERY == 0  # the answer's last step was a check
+            # The answer's last step was a check: the server's own step count ends on
+            # one, and the check shrank the memory tier after the answer was stored
+            # (an earlier check would leave the answer's state beside the one it kept).
+            assert steps() % CHECK_EVERY == 0, (turn, steps())
+            memory = http.get("/cache/stats").json()["prompt_cache"]["memory"]
+            assert memory["entries"] == 1, (turn, memory)
             if turn:
                 # All the last turn sent and got back (but the answer's last
                 # token, never fed to the model).
