@@ -1,12 +1,12 @@
 """Prompt tokens through quantized linears on the CPU: dequantize, then a BLAS matmul.
 
 MLX's CPU kernel for quantized matmuls costs the same per row whatever the
-number of rows, so a 200-token prompt costs 200 single-token steps (about
-70 ms per token for the default model here). Dequantizing the weight once
-and handing the rows to the BLAS (MKL, engine/compute/blas.py) costs one pass over
-the weight plus a matmul that barely grows with rows: the default model
-prefills 128 to 512 tokens 14-16x faster with MKL (`flashserve bench
---sections prefill`), and about 1.3x faster on the reference BLAS.
+number of rows, so a 200-token prompt costs 200 single-token steps.
+Dequantizing the weight once and handing the rows to the BLAS (MKL,
+engine/compute/blas.py) costs one pass over the weight plus a matmul that
+barely grows with rows, so prompts prefill many times faster with MKL, and a
+little faster on the reference BLAS (docs/guides/cpu-and-gpu.md; `flashserve
+bench --sections prefill`).
 
 Only inputs with two or more tokens per sequence take this path. A decode
 step (one token per sequence, whatever the batch size) goes on to the few-row
@@ -130,12 +130,9 @@ def keep_dequantized() -> Iterator[None]:
 
 # From this size of float copy on, a weight's prompt rows go to flashserve's
 # kernel (compute/qmm.py) instead. glibc maps a block this large afresh each
-# time, so the copy is faulted in page by page on every use: a 2048 x 4096
-# 4-bit weight on 256 rows took 1.5x as long as dequantize + MKL on two
-# cores as on the kernel (153 against 93-101 GFLOP/s, measured here), where
-# 8-24 MB copies were a wash (0.92-1.14x) and smaller ones favour the BLAS.
-# In the cap bench's MoE, three 256-token chunks through a layer's attention
-# (the copies made once, keep_dequantized) took 320 ms against 344 (best of 6).
+# time, so the copy is faulted in page by page on every use and copy + BLAS
+# loses to the kernel; below it the copy is a wash or favours the BLAS
+# (docs/benchmarks/memory-cap.md has the measurements).
 KERNEL_MIN_FLOAT_BYTES = 32 << 20
 KERNEL_BITS = (4, 8)  # the widths of the kernel's AVX-512 path
 
@@ -178,8 +175,8 @@ class PromptQuantizedLinear(nn.QuantizedLinear):
             # up to here is done before the next chunk's is built, or a
             # layer-major prefill would hold every chunk's activations at once.
             # That work includes attention's matmuls when this is o_proj: on
-            # every core, as under a BLAS linear (on one they took 1.2 s of
-            # the cap bench's 14 s prefill).
+            # every core, as under a BLAS linear (on one thread they were a
+            # large share of a prefill from disk: docs/benchmarks/memory-cap.md).
             with blas.prompt_threads(threads):
                 mx.eval(y)
             return y

@@ -16,17 +16,14 @@ through `merge`, which QuantizedKVCache lacks. Here:
   it unchanged; no padding or batch neighbour changes a row.
 
 Attention: dequantize + float attention on every device. MLX's CUDA
-backend (mlx-cuda-13 0.32.4, an H100, 2026-11-27) has no quantized matmul
-for a prefill's shapes: mlx-lm's quantized SDPA failed every request with
-"[quantized_matmul] No implementation for problem shape: 39x39x64x4,
-transpose: true, activation: float32". On the CPU, MLX's quantized
-matmuls over a batch of heads are slow: one decode step's attention over
-1,000 cached positions (9 query heads, 3 KV heads of 64) took 6.3 ms a layer
-against 1.2 ms for dequantizing the keys and values and running the float
-attention flashserve routes mx.fast.scaled_dot_product_attention to
-(compute/step_ops.py, compute/prompt_attention.py), and 0.11 ms for that
-attention over a float cache. So `install` points mlx-lm's quantized SDPA
-at `_attention`, which on the CPU dequantizes (mx.dequantize's values; the
+backend lacks the quantized matmuls a prefill's shapes need, so mlx-lm's
+quantized SDPA fails there (docs/guides/cpu-and-gpu.md); on the CPU MLX's
+quantized matmuls over a batch of heads are several times slower than
+dequantizing the keys and values and running the float attention
+flashserve routes mx.fast.scaled_dot_product_attention to
+(compute/step_ops.py, compute/prompt_attention.py; the times are in
+docs/guides/kv-cache-quantization.md). So `install` points mlx-lm's
+quantized SDPA at `_attention`, which dequantizes (mx.dequantize's values; the
 float copy lives for one layer's attention) and takes that float path: the
 attention of exactly the values mlx-lm's would read (MLX's own float SDPA
 over them matched its quantized one bit for bit), with the float path's
@@ -198,9 +195,9 @@ def _attention(
 
 
 def _dequantize(parts: tuple[mx.array, mx.array, mx.array], group_size: int, bits: int) -> mx.array:
-    """mx.dequantize's values. At 8 bits as a byte view, a cast and one multiply-add:
-    MLX's CPU dequantize made a decode step over 600 positions 31-43 ms against
-    19-30 this way (one run, interleaved); its 4-bit unpacking is the faster one."""
+    """mx.dequantize's values. At 8 bits as a byte view, a cast and one multiply-add,
+    which a decode step spends less time in than MLX's CPU dequantize
+    (docs/guides/kv-cache-quantization.md); at 4 bits MLX's unpacking is the faster."""
     packed, scales, biases = parts
     if bits != 8:
         return mx.dequantize(packed, scales, biases, group_size=group_size, bits=bits)

@@ -33,8 +33,8 @@ lends that room instead: a prefill first evicts experts until its share is
 free and keeps the cache that much smaller until it ends
 (experts/prefill.py `hold_room`); decode misses then fill the cache back up.
 A prefill reads nearly every expert of a layer anyway, so the experts it
-evicts cost little, and between prompts the room holds experts (measured
-under a 1.2 GB cap: 466 -> 557 MB of experts, the same peak).
+evicts cost little, and between prompts the room holds experts: more of them
+under the same peak (docs/benchmarks/memory-cap.md).
 
 The plan, its inputs and the reason for each number are logged at load and
 served in GET /memory (`memory_plan`).
@@ -344,9 +344,9 @@ def apply_memory_plan(
         )
     if plan.prefill_reserve_bytes > 0:
         # Lent, the held hidden states may take up to half the expert cache: each
-        # group of chunks reads every expert of a layer once, and 4% of a 1.2 GB
-        # cap (48 MB) cut a 632-token prompt into three groups: 7.5 GB read for
-        # 2.8 GB of experts. Evicted experts cost a read each in decode.
+        # group of chunks reads every expert of a layer once, so a prompt cut into
+        # several small groups reads the experts several times over
+        # (docs/benchmarks/memory-cap.md). Evicted experts cost a read each in decode.
         chunk = activations()
         wider = min(
             int(config.prefill_group_bytes),
@@ -362,9 +362,9 @@ def apply_memory_plan(
                 f"expert once; the prefill room is {fmt_bytes(plan.prefill_reserve_bytes)}"
             )
     if config.expert_prefetch == "auto":
-        # Measured on the cap bench (3 GB MoE, 1.2 GB cap, uniform routing): the
-        # guess served 80% of the misses, 15% of its reads were wasted, free decode
-        # 3.37 -> 4.46 tok/s. Its reads come out of the cache's bytes.
+        # The next router's guess serves most misses before they happen and wastes
+        # few reads (docs/benchmarks/memory-cap.md) where the experts do not all
+        # fit. Its reads come out of the cache's bytes.
         streams = plan.expert_cache_bytes < plan.expert_total_bytes
         config.expert_prefetch = "next-layer" if streams else "none"
         if streams:
