@@ -61,7 +61,12 @@ class Settings(BaseSettings):
     model_id: str | None = Field(None, description="name in /v1/models (default: from the path)")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info",
+        description="what the log shows: info = loading, plans and one access line per "
+        "request; warning = only problems (memory pressure, dropped states, failures); "
+        "error = failures; debug = info and diagnostics",
+    )
     default_max_tokens: int | None = Field(
         None,
         ge=1,

@@ -91,3 +91,27 @@ def test_cli_bad_input_is_one_line_and_exit_2(args, needle):
     assert needle in proc.stderr
     assert "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_log_level_says_what_each_level_shows():
+    """`--log-level` has help text, and its row on the settings page says more than
+    its values (the page takes the field's description)."""
+    import runpy
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "flashserve.server.cli", "serve", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT / "tests",
+    )
+    assert proc.returncode == 0, proc.stderr
+    words = " ".join(proc.stdout.split())
+    after = words.rsplit("--log-level {debug,info,warning,error}", 1)[1].lstrip()
+    assert not after.startswith("--"), after[:80]  # a help text before the next flag
+    description = Settings.model_fields["log_level"].description
+    assert description and " ".join(description.split()) in words
+    render = runpy.run_path(str(ROOT / "docs_hooks" / "settings_reference.py"))["render_settings"]
+    (row,) = [line for line in render().splitlines() if line.startswith("| `log_level` |")]
+    values, meaning = (re.sub(r"[`\\| ]", "", cell) for cell in row.split(" | ")[2:4])
+    assert meaning != values, row
