@@ -2,11 +2,17 @@
 
 Every `sh`/`bash` and `python` block of docs/index.md and docs/guides/ runs here
 against the default model (SmolLM2-135M-Instruct), served once for the module,
-with `127.0.0.1:8000` replaced by the test server's address. A block that cannot
-run on this machine (a Mac, a GPU, a big model, a real agent client, a server in
-the foreground) says so on the line before its fence: `<!-- not-run: why -->`.
+with `127.0.0.1:8000` replaced by the test server's address. A block that needs
+the server started as its guide says marks it on the line before its fence,
+`<!-- run-with: --kv-bits 8 -->`, and runs against a server started with those
+flags (one per set of flags). A block that cannot run on this machine (root, a
+GPU, a Mac, a model too big, a real agent client, a server in the foreground)
+says so there instead, `<!-- not-run: why -->`, and its test is skipped with
+that reason: pytest's summary counts the exemptions and lists why. Where the
+real command takes minutes, the guide shows a quick form that runs here.
 Shell blocks run under `set -euo pipefail` with a `curl` that fails on an HTTP
-error, so a snippet that gets an error object fails its test.
+error, so a snippet that gets an error object fails its test; HOME is a
+temporary folder, so nothing lands in the user's caches.
 """
 
 from __future__ import annotations
@@ -14,9 +20,10 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import shlex
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,7 +39,12 @@ PAGES = [DOCS / "index.md", *sorted((DOCS / "guides").rglob("*.md"))]
 RUN_LANGS = {"sh": "sh", "bash": "sh", "shell": "sh", "python": "python", "py": "python"}
 FENCE = re.compile(r"^```(\w*)[^\n]*$")
 NOT_RUN = re.compile(r"^<!-- not-run: (.+?) -->$")
-SNIPPET_TIMEOUT_S = 120
+RUN_WITH = re.compile(r"^<!-- run-with: (.+?) -->$")
+# The quick benchmark forms take up to a minute on two busy cores.
+SNIPPET_TIMEOUT_S = 240
+# The docs server's own flags: the prompt cache on (the prompt-cache guide shows a
+# hit); replies kept short.
+DOCS_SERVER_ARGS = ("--prompt-cache-bytes", "200MB", "--default-max-tokens", "64")
 # Where the sections of the old, long README went (issue 45).
 MOVED_FROM_README = [
     "guides/larger-than-memory.md",
@@ -68,6 +80,7 @@ class Snippet:
     lang: str  # "sh" or "python"; other languages are never run
     code: str
     not_run: str | None  # the reason, when marked
+    server_args: tuple[str, ...] = ()  # run-with: the flags of the server it needs
 
     @property
     def name(self) -> str:
@@ -90,26 +103,46 @@ def snippets(pages: list[Path] = PAGES) -> list[Snippet]:
                 end += 1
             lang = RUN_LANGS.get(match.group(1).lower())
             if lang:
-                mark = NOT_RUN.match(lines[i - 1].strip()) if i else None
+                before = lines[i - 1].strip() if i else ""
+                mark = NOT_RUN.match(before)
+                flags = RUN_WITH.match(before)
                 code = "\n".join(lines[i + 1 : end]) + "\n"
-                found.append(Snippet(page, i + 1, lang, code, mark.group(1) if mark else None))
+                found.append(
+                    Snippet(
+                        page,
+                        i + 1,
+                        lang,
+                        code,
+                        mark.group(1) if mark else None,
+                        tuple(shlex.split(flags.group(1))) if flags else (),
+                    )
+                )
             i = end + 1
     return found
 
 
-RUNNABLE = [s for s in snippets() if s.not_run is None]
+ALL = snippets()
+RUNNABLE = [s for s in ALL if s.not_run is None]
 
 
 @pytest.fixture(scope="module")
-def docs_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def docs_servers(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Callable[[tuple[str, ...]], Server]]:
+    """The default model served with the docs' flags plus a block's run-with flags: each
+    set started once, when a block first needs it."""
     default_model_path()  # the README's test command installs it: missing is a failure
-    # The prompt cache on (the prompt-cache guide shows a hit); replies kept short.
-    workdir = tmp_path_factory.mktemp("docs-server")
-    server = start_server(
-        None, workdir, "--prompt-cache-bytes", "200MB", "--default-max-tokens", "64"
-    )
+    started: dict[tuple[str, ...], Server] = {}
+
+    def server(extra: tuple[str, ...]) -> Server:
+        if extra not in started:
+            workdir = tmp_path_factory.mktemp("docs-server")
+            started[extra] = start_server(None, workdir, *DOCS_SERVER_ARGS, *extra)
+        return started[extra]
+
     yield server
-    stop_server(server)
+    for running in started.values():
+        stop_server(running)
 
 
 def run_snippet(snippet: Snippet, server: Server, cwd: Path) -> subprocess.CompletedProcess:
@@ -117,6 +150,7 @@ def run_snippet(snippet: Snippet, server: Server, cwd: Path) -> subprocess.Compl
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLASHSERVE_")}
     # `flashserve` and `python` are this environment's, as after the install command.
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env["HOME"] = str(cwd)  # ~/.cache and the like: the test's, not the user's
     if snippet.lang == "sh":
         cmd = ["bash", "-c", SH_PREAMBLE + code]
     else:
@@ -126,9 +160,14 @@ def run_snippet(snippet: Snippet, server: Server, cwd: Path) -> subprocess.Compl
     )
 
 
-@pytest.mark.parametrize("snippet", RUNNABLE, ids=[s.name for s in RUNNABLE])
-def test_guide_snippet_runs(snippet: Snippet, docs_server: Server, tmp_path: Path) -> None:
-    result = run_snippet(snippet, docs_server, tmp_path)
+@pytest.mark.parametrize("snippet", ALL, ids=[s.name for s in ALL])
+def test_guide_snippet_runs(
+    snippet: Snippet, docs_servers: Callable[[tuple[str, ...]], Server], tmp_path: Path
+) -> None:
+    if snippet.not_run is not None:
+        # Reported, with its reason, in pytest's summary (-ra): the exemptions counted.
+        pytest.skip(f"{snippet.name} not run here: {snippet.not_run}")
+    result = run_snippet(snippet, docs_servers(snippet.server_args), tmp_path)
     detail = (
         f"{snippet.name} (a block that cannot run here needs `<!-- not-run: why -->` on the"
         f" line before its fence)\n{snippet.code}\n"
@@ -144,22 +183,32 @@ def test_snippet_extraction_and_marks(tmp_path: Path) -> None:
     page.write_text(
         "text\n```sh\necho run\n```\n<!-- not-run: needs a GPU -->\n```python\nprint(1)\n```\n"
         "```toml\nkey = 1\n```\n```\nplain\n```\n"
+        "<!-- run-with: --kv-bits 8 --api-key 'a b' -->\n```bash\necho kv\n```\n"
     )
     found = snippets([page])
-    assert [(s.lang, s.code, s.not_run) for s in found] == [
-        ("sh", "echo run\n", None),
-        ("python", "print(1)\n", "needs a GPU"),
+    assert [(s.lang, s.code, s.not_run, s.server_args) for s in found] == [
+        ("sh", "echo run\n", None, ()),
+        ("python", "print(1)\n", "needs a GPU", ()),
+        ("sh", "echo kv\n", None, ("--kv-bits", "8", "--api-key", "a b")),
     ]
-    assert [s.line for s in found] == [2, 6]
+    assert [s.line for s in found] == [2, 6, 16]
 
 
 def test_the_guides_have_runnable_snippets_and_every_mark_has_a_reason() -> None:
     everything = snippets()
     pages = {s.page.relative_to(DOCS).as_posix() for s in RUNNABLE}
-    # The quick start and the guides that run here keep their snippets runnable.
-    for page in ("index.md", "guides/gguf-and-prepare.md", "guides/prompt-cache.md"):
+    # The quick start and the guides keep their snippets runnable: each of these has
+    # one at least (the last three's servers are started with the flags they show).
+    for page in (
+        "index.md",
+        "guides/gguf-and-prepare.md",
+        "guides/prompt-cache.md",
+        "guides/speculative-decoding.md",
+        "guides/kv-cache-quantization.md",
+        "guides/memory-cap.md",
+    ):
         assert page in pages, page
-    assert len(RUNNABLE) >= 8
+    assert len(RUNNABLE) >= 16
     for s in everything:
         assert s.not_run is None or len(s.not_run) > 5, s.name
     # A server or a chat in the foreground would block its test until the timeout.
@@ -173,9 +222,10 @@ def test_the_guides_have_runnable_snippets_and_every_mark_has_a_reason() -> None
     for page in PAGES:
         lines = page.read_text().splitlines()
         for i, line in enumerate(lines):
-            if "not-run" in line:
-                assert NOT_RUN.match(line.strip()), f"{page}:{i + 1}: {line}"
-                assert i + 1 < len(lines) and FENCE.match(lines[i + 1]), f"{page}:{i + 1}"
+            for word, mark in (("not-run", NOT_RUN), ("run-with", RUN_WITH)):
+                if word in line:
+                    assert mark.match(line.strip()), f"{page}:{i + 1}: {line}"
+                    assert i + 1 < len(lines) and FENCE.match(lines[i + 1]), f"{page}:{i + 1}"
 
 
 def _hook(name: str):
