@@ -37,6 +37,9 @@ class EngineConfig:
     # from disk; chunked: always mlx-lm's chunk-by-chunk prefill.
     prefill_order: str = "auto"
     prefill_group_bytes: int = 512 * 10**6  # activations a layer-major prefill may hold
+    # A layer-major prefill keeps a layer's float weight copies for all its chunks
+    # (compute/prompt_matmul.py keep_dequantized); the dense memory plan may not.
+    prefill_keep_float_copies: bool = True
     max_queue: int = 64
     # CPU quantized matmuls with few rows and the step ops: auto (flashserve's
     # where they run, engine/compute/qmm.py, step_ops.py) | fast (required) |
@@ -59,6 +62,11 @@ class EngineConfig:
     # bytes, 0 keeps it in memory only. The server's settings turn both on.
     prompt_cache_bytes: int = 0
     prompt_cache_disk_bytes: int = 0
+    # Set by the dense memory plan (streaming/denseplan.py) when it gives up the
+    # memory tier: states go to the SSD tier only, and no copy of a state is
+    # taken at a prompt's end (prompt_prefix_states) to store.
+    prompt_cache_disk_only: bool = False
+    prompt_prefix_states: bool = True
     prompt_cache_dir: str | None = None  # None: the platform's cache dir / fingerprint
     # Bytes the SSD tier may write in any hour (0: no cap); past it, states stay
     # in memory only, so one busy agent does not wear an SSD out.

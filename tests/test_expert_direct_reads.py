@@ -19,9 +19,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from flashserve.engine.experts import store as store_module
 from flashserve.engine.experts.store import ExpertStore, layouts_from_manifest
 from flashserve.engine.streaming.diskio import drop_page_cache
+from flashserve.engine.weights import reader as reader_module
 from flashserve.engine.weights.layout import read_manifest
 from tests.streaming_fixtures import prepared_model
 
@@ -90,7 +90,7 @@ def test_records_are_read_around_the_page_cache_and_equal_the_file(layouts: dict
 def test_a_file_system_without_direct_reads_reads_through_the_page_cache(
     layouts: dict, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(store_module, "_direct_reads_work", lambda fd: False)
+    monkeypatch.setattr(reader_module, "_direct_reads_work", lambda fd: False)
     store = ExpertStore(layouts, threads=2)
     try:
         assert not any(store._aligned.values())

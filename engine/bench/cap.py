@@ -65,7 +65,7 @@ from flashserve.engine.streaming.diskio import (
     drop_page_cache,
     measure_read_speed,
 )
-from flashserve.engine.weights.gguf.synthetic import CAP_MOE, FORMAT, QUICK_CAP_MOE, write_moe_gguf
+from flashserve.engine.weights.gguf.synthetic import CAP_MOE, FORMAT, QUICK_CAP_MOE, write_gguf
 from flashserve.engine.weights.layout import is_current
 from flashserve.engine.weights.prepare import prepare
 
@@ -121,7 +121,7 @@ def cap_model(work_dir: Path, quick: bool = False) -> tuple[Path, Path]:
     if not gguf_path.exists() or not stamp.exists() or json.loads(stamp.read_text()) != wanted:
         folder.mkdir(parents=True, exist_ok=True)
         log.info("writing the cap bench model %s", gguf_path)
-        write_moe_gguf(gguf_path, shape)
+        write_gguf(gguf_path, shape)
         stamp.write_text(json.dumps(wanted))
     if not is_current(prepared) or prepared.stat().st_mtime < gguf_path.stat().st_mtime:
         log.info("preparing %s", gguf_path)

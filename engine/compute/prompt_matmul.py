@@ -162,6 +162,25 @@ def _float_bytes(module: nn.QuantizedLinear, dtype: mx.Dtype) -> int:
     return rows * groups * module.group_size * dtype.size
 
 
+def float_copies(layer: nn.Module, dtype: mx.Dtype, kernel: bool) -> tuple[int, int]:
+    """(bytes of float weights a layer's prompt chunks hold under `keep_dequantized`,
+    the most made at once without it), from its quantized linears' shapes (their
+    arrays need not be loaded); `kernel`: flashserve's AVX-512 kernel will run,
+    so weights of KERNEL_MIN_FLOAT_BYTES and up make no copy. The memory plan
+    (streaming/denseplan.py) sets this much aside for a prefill. 0 off the CPU."""
+    if mx.default_device() != mx.cpu:
+        return 0, 0
+    sizes = []
+    for name, module in layer.named_modules():
+        if not isinstance(module, nn.QuantizedLinear) or name.split(".")[-1] == "lm_head":
+            continue
+        size = _float_bytes(module, dtype)
+        if kernel and module.bits in KERNEL_BITS and size >= KERNEL_MIN_FLOAT_BYTES:
+            continue
+        sizes.append(size)
+    return sum(sizes), min(max(sizes, default=0), SLICE_BYTES)
+
+
 class PromptQuantizedLinear(nn.QuantizedLinear):
     """A QuantizedLinear whose multi-token inputs run as dequantize + float matmul."""
 

@@ -30,9 +30,7 @@ and the record is a view inside it (ReadResult.record).
 
 from __future__ import annotations
 
-import fcntl
 import logging
-import mmap
 import os
 import threading
 import time
@@ -49,7 +47,13 @@ import numpy as np
 
 from flashserve.engine.compute import qmm
 from flashserve.engine.weights.checksum import crc32
-from flashserve.engine.weights.reader import ReadPool, WeightFileError, can_view
+from flashserve.engine.weights.reader import (
+    DIRECT_ALIGN,
+    ReadPool,
+    WeightFileError,
+    can_view,
+    open_direct,
+)
 
 log = logging.getLogger(__name__)
 
@@ -115,9 +119,6 @@ class ReadResult:
     seconds: float  # wall time of the read on its I/O thread
 
 
-DIRECT_ALIGN = 4096  # O_DIRECT's boundary for offsets, lengths and addresses
-
-
 @dataclass(frozen=True)
 class _Span:
     """One record's read: `size` bytes of the file from `file_offset` into the
@@ -143,39 +144,6 @@ def read_span(fd: int, target: memoryview, span: _Span, path: Path) -> None:
             end = span.file_offset + got
             raise WeightFileError(f"{path}: ends at byte {end} (truncated; prepare it again)")
         got += n
-
-
-def open_direct(path: Path, direct: bool) -> tuple[int, bool]:
-    """`path` opened for reads that bypass the page cache where this system and file
-    system allow; returns (fd, whether reads must be block-aligned). Not `direct`:
-    Linux reads go through the page cache (the buffers are a GPU's: whether the
-    kernel can read straight into them is not something to find out mid-request)."""
-    if hasattr(os, "O_DIRECT") and direct:
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-        except OSError:  # a file system without direct I/O (tmpfs on old kernels)
-            return os.open(path, os.O_RDONLY), False
-        if _direct_reads_work(fd):
-            return fd, True
-        os.close(fd)
-        return os.open(path, os.O_RDONLY), False
-    fd = os.open(path, os.O_RDONLY)
-    if hasattr(fcntl, "F_NOCACHE"):  # macOS: no alignment needed
-        with suppress(OSError):
-            fcntl.fcntl(fd, fcntl.F_NOCACHE, 1)
-    return fd, False
-
-
-def _direct_reads_work(fd: int) -> bool:
-    """Some file systems accept O_DIRECT at open and refuse the read (EINVAL)."""
-    page = mmap.mmap(-1, DIRECT_ALIGN)  # page-aligned
-    try:
-        os.preadv(fd, [page], 0)
-        return True
-    except OSError:
-        return False
-    finally:
-        page.close()
 
 
 def _evict(fd: int, offset: int, length: int, _: Future) -> None:

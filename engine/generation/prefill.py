@@ -48,7 +48,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from greenlet import greenlet
 
-from flashserve.engine.compute import prompt_matmul
+from flashserve.engine.compute import heap, prompt_matmul
 from flashserve.engine.experts.prefill import hold_room, release_room
 from flashserve.engine.weights.layout import find_layers
 from flashserve.engine.weights.model import ModelLoadError, compute_dtype
@@ -102,6 +102,9 @@ class LayerMajorPrefill:
     bytes_per_token: int  # held activations per prompt token (hidden states, MoE rows)
     streamer: Any = None  # streaming.streamer.LayerStreamer
     experts: Any = None  # experts.offload.ExpertOffload
+    # A layer's float weight copies kept for all its chunks (the memory plan may
+    # not leave room for them: then each chunk makes them again, same numbers).
+    keep_float_copies: bool = True
     _current: _Chunk | None = field(default=None, init=False)  # the chunk running now
     _round: int = field(default=-1, init=False)  # the layer whose round runs
     _main: greenlet | None = field(default=None, init=False)  # the driver's greenlet
@@ -112,7 +115,7 @@ class LayerMajorPrefill:
         setting is chunked, or every weight is resident."""
         if config.prefill_order != "auto" or (loaded.streamer is None and loaded.experts is None):
             return None
-        return cls.for_model(
+        prefill = cls.for_model(
             loaded.model,
             loaded.config,
             chunk_tokens=config.prefill_step_size,
@@ -120,6 +123,9 @@ class LayerMajorPrefill:
             streamer=loaded.streamer,
             experts=loaded.experts,
         )
+        if prefill is not None:
+            prefill.keep_float_copies = bool(config.prefill_keep_float_copies)
+        return prefill
 
     @classmethod
     def for_model(
@@ -193,7 +199,9 @@ class LayerMajorPrefill:
         gates = [_Gate(self, i, layer) for i, layer in enumerate(self.layers)]
         self._main = greenlet.getcurrent()
         self.layers[:] = gates
-        if self.experts is not None:
+        if self.experts is None:
+            heap.enter_prefill()  # its activations' blocks reused, not faulted in afresh
+        else:
             self.experts.gather = self._gather
             starts: dict[int, int] = {}  # per prompt: where its first chunk starts
             for c in chunks:
@@ -208,7 +216,9 @@ class LayerMajorPrefill:
                 self._layer_round(index, chunks)
         finally:
             self.layers[:] = [g.layer for g in gates]
-            if self.experts is not None:
+            if self.experts is None:
+                heap.leave_prefill()
+            else:
                 self.experts.gather = None
                 release_room(self.experts)
             for chunk in chunks:
@@ -231,7 +241,8 @@ class LayerMajorPrefill:
         self._round = index
         streamed = self.streamer is not None and index in self.streamer.streamed_layers
         with self.streamer.holding(index) if streamed else nullcontext():
-            with prompt_matmul.keep_dequantized():  # once per round, not per chunk
+            keep = prompt_matmul.keep_dequantized() if self.keep_float_copies else nullcontext()
+            with keep:  # each float copy once per round, not per chunk
                 for chunk in chunks:
                     if chunk.last and chunk.job.prefix_state is not None:
                         _snapshot(chunk.job, index)

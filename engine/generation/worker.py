@@ -87,6 +87,7 @@ class EngineNotReadyError(Exception):
 
 class Engine:
     def __init__(self, config: EngineConfig):
+        heap.limit_arenas()  # before the threads that allocate start (compute/heap.py)
         self.config = config
         self.state = "loading"  # loading | ready | failed | stopped
         self.load_error: str | None = None
@@ -266,7 +267,7 @@ class Engine:
             choice = active.get(response.uid) if response.end_of_prompt else None
             if choice is not None and choice.prefilled_at is None:  # else prefilled outside
                 choice.prefilled_at = prefilled_at
-        if self.prompt_cache is not None:
+        if self.prompt_cache is not None and self.config.prompt_prefix_states:
             prompt_states.store_prompt_ends(self.prompt_cache, batch, active, prompt_responses)
         self.stats.steps += 1
         self.stats.batch_size_sum += len(active)
@@ -376,7 +377,9 @@ class Engine:
             PrefillJob(
                 s.prompt[s.reused :],
                 s.cache,
-                keep_prefix=self.prompt_cache is not None and s.handle.request.use_prompt_cache,
+                keep_prefix=self.prompt_cache is not None
+                and self.config.prompt_prefix_states
+                and s.handle.request.use_prompt_cache,
                 cancelled=_cancel_check(s.handle),
             )
             for s in starts

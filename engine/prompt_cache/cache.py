@@ -17,6 +17,10 @@ Two tiers:
   weights computed, is read back instead of prefilled. A disk entry read
   back moves into memory. A state still queued for writing serves a lookup
   from its bytes in memory: a lookup never waits for the writer.
+- disk only (`prompt_cache_disk_only`, set by the dense memory plan when it
+  leaves no room for a memory tier): states go straight to disk, and a
+  lookup that a queued write would serve waits for that write alone (a copy
+  of its bytes would be a second state in memory) and reads it back.
 
 An entry that runs past the new prompt (the prompt diverged, e.g. a template
 dropped earlier reasoning) is trimmed to the common prefix, never more. A
@@ -47,6 +51,9 @@ from flashserve.engine.weights.model import LoadedModel, compute_dtype
 
 log = logging.getLogger(__name__)
 
+# Disk only: how long a lookup waits for the queued write of the state it wants
+# (a context's KV at SSD speed) before it takes a copy of the queued bytes.
+DISK_ONLY_WAIT = 5.0
 # Entries are bounded by bytes; the count bound of LRUPromptCache is not used.
 _NO_COUNT_LIMIT = 1 << 30
 # Under memory pressure, how long shrink() waits for queued disk writes (a
@@ -105,10 +112,15 @@ class PromptCache:
         if self.disk is not None:
             found = self.disk.lookup(prompt)
             queued = self.disk.queued(prompt)
-            if queued is not None and queued[1] > max(reused, found[2] if found else 0):
+            better = queued is not None and queued[1] > max(reused, found[2] if found else 0)
+            if better and self.max_bytes <= 0 and self.disk.wait_written(queued[0], DISK_ONLY_WAIT):
+                # Disk only (the memory plan left no room for a second copy of a
+                # state): its own write lands first, then it is read back.
+                found, queued, better = self.disk.lookup(prompt), None, False
+            if better:
                 # A better state is still on its way to disk (the answer just ended):
                 # taken from the queued write's bytes, never waited for.
-                entry, reused = queued
+                entry, reused = queued  # type: ignore[misc]
                 cache, tier = prompt_files.restore(entry), "disk"
                 if len(entry.tokens) > reused:
                     trim_prompt_cache(cache, len(entry.tokens) - reused)
@@ -131,11 +143,12 @@ class PromptCache:
 
     def store(self, tokens: list[int], cache: list[Any]) -> None:
         """Keep `cache` (the state after exactly `tokens`); it must not be used elsewhere."""
-        if not tokens or self.max_bytes <= 0:
+        if not tokens or (self.max_bytes <= 0 and self.disk is None):
             return
         tokens = list(tokens)
-        self._store.insert_cache(self.model_key, tokens, cache)
-        self.memory_stats.stored += 1
+        if self.max_bytes > 0:
+            self._store.insert_cache(self.model_key, tokens, cache)
+            self.memory_stats.stored += 1
         if self.disk is not None and not self.disk.contains(tokens):
             try:
                 self.disk.put(prompt_files.prepare(tokens, cache))
@@ -201,7 +214,7 @@ class PromptCache:
         if loaded is None:
             return None
         tokens, cache = loaded
-        if self.max_bytes > 0:
+        if self.max_bytes >= sum(c.nbytes for c in cache):  # else memory would drop it at once
             self._store.insert_cache(self.model_key, tokens, copy.deepcopy(cache))
         if entry_tokens > usable:
             trim_prompt_cache(cache, entry_tokens - usable)
@@ -211,7 +224,7 @@ class PromptCache:
 def prompt_cache_for(config: EngineConfig, loaded: LoadedModel) -> PromptCache | None:
     """The worker's prompt cache for `loaded` (None when turned off): memory, and
     the disk tier when asked for and its directory is usable."""
-    if config.prompt_cache_bytes <= 0:
+    if config.prompt_cache_bytes <= 0 and not config.prompt_cache_disk_only:
         return None
     disk = None
     if config.prompt_cache_disk_bytes > 0:

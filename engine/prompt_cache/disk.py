@@ -229,6 +229,17 @@ class DiskTier:
                     del self._queued[i]
                     break
 
+    def wait_written(self, entry: PreparedEntry, timeout: float) -> bool:
+        """Wait until `entry` is written (or dropped), not for the writes queued after
+        it; False on timeout."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not any(queued is entry for queued in self._queued):
+                    return True
+            time.sleep(0.005)
+        return False
+
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until every queued entry is written; False on timeout."""
         deadline = time.monotonic() + timeout

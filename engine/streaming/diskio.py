@@ -9,7 +9,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from flashserve.engine.experts.store import DIRECT_ALIGN, open_direct
+from flashserve.engine.weights.reader import DIRECT_ALIGN, open_direct
 
 
 def drop_page_cache(path: str | Path) -> int:

@@ -87,10 +87,20 @@ def process_rss() -> int:
 def process_private() -> int:
     """This process's private resident memory (RssAnon: heap, MLX buffers, weights
     read into memory; not the page cache of the files it reads). 0 off Linux."""
+    return _status_bytes(b"RssAnon:")
+
+
+def process_file_resident() -> int:
+    """This process's file-backed resident memory (RssFile: the code and files it has
+    mapped and touched; 0 off Linux): what the memory plan keeps room for."""
+    return _status_bytes(b"RssFile:")
+
+
+def _status_bytes(key: bytes) -> int:
     try:
         with open("/proc/self/status", "rb") as f:
             for line in f:
-                if line.startswith(b"RssAnon:"):
+                if line.startswith(key):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass

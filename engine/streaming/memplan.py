@@ -118,11 +118,29 @@ class MemoryPlan:
     expert_cache_bytes: int
     expert_total_bytes: int
     reasons: list[str] = field(default_factory=list)
+    # The dense plan's (streaming/denseplan.py); None or 0 in the expert cache's
+    file_reserve_bytes: int = 0  # kept free: the shed floor + headroom, or the code's pages
+    context_tokens: int | None = None  # the memory-bound context
+    prefill_step_size: int | None = None
+    prefetch_depth: int | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     def describe(self) -> str:
+        if self.context_tokens is not None:
+            return (
+                f"memory plan: limit {fmt_bytes(self.limit_bytes)} ({self.limit_source}), "
+                f"in use {fmt_bytes(self.in_use_bytes)}, kept free "
+                f"{fmt_bytes(self.file_reserve_bytes)}, runtime "
+                f"{fmt_bytes(self.runtime_reserve_bytes)} (MLX pool "
+                f"{fmt_bytes(self.mlx_cache_limit_bytes)}), prefill "
+                f"{fmt_bytes(self.prefill_reserve_bytes)}, KV {fmt_bytes(self.kv_reserve_bytes)} "
+                f"({self.context_tokens} tokens), prompt cache "
+                f"{fmt_bytes(self.prompt_cache_bytes)}, {self.resident_layers}/{self.num_layers} "
+                f"layers resident {fmt_bytes(self.resident_layer_bytes)}, stream buffers "
+                f"{fmt_bytes(self.stream_buffer_bytes)}"
+            )
         share = self.expert_cache_bytes / self.limit_bytes if self.limit_bytes else 0.0
         return (
             f"memory plan: limit {fmt_bytes(self.limit_bytes)} ({self.limit_source}), "
@@ -140,6 +158,16 @@ class MemoryPlan:
             f"{fmt_bytes(self.expert_cache_bytes)} of {fmt_bytes(self.expert_total_bytes)} "
             f"({share:.0%} of the limit)"
         )
+
+
+def shed_floor_bytes(limit: int, configured: int) -> int:
+    """The shed floor under `limit`: 4% of it, at least MIN_FLOOR, at most `configured`."""
+    return min(int(configured), max(MIN_FLOOR, int(limit * FLOOR_FRACTION)))
+
+
+def mlx_pool_bytes(limit: int) -> int:
+    """MLX's buffer pool under `limit` (MLX_CACHE_FRACTION of it, at most MLX_CACHE_MAX)."""
+    return min(MLX_CACHE_MAX, int(limit * MLX_CACHE_FRACTION))
 
 
 def plan_memory(
@@ -161,12 +189,12 @@ def plan_memory(
     still gets a plan (the minimum expert cache), with a warning in `reasons`.
     """
     reasons = []
-    floor = min(int(shed_floor), max(MIN_FLOOR, int(limit * FLOOR_FRACTION)))
+    floor = shed_floor_bytes(limit, shed_floor)
     reasons.append(
         f"shed floor {fmt_bytes(floor)}: 4% of the limit (at least 32 MB, at most the "
         f"configured {fmt_bytes(shed_floor)}), and half as much again as headroom"
     )
-    mlx_cache = min(MLX_CACHE_MAX, int(limit * MLX_CACHE_FRACTION))
+    mlx_cache = mlx_pool_bytes(limit)
     io_buffers = 2 * shape.io_window * shape.record_bytes  # in flight + the spare pool
     runtime = RUNTIME_BASE + mlx_cache + io_buffers
     reasons.append(
@@ -378,6 +406,12 @@ def apply_memory_plan(
     config.shed_floor = plan.shed_floor_bytes
     config.prompt_cache_bytes = plan.prompt_cache_bytes
     config.prefill_group_bytes = group
+    return enforce(plan)
+
+
+def enforce(plan: MemoryPlan) -> MemoryPlan:
+    """What the process itself holds to the plan: MLX's buffer pool capped, glibc's
+    mmap threshold fixed (compute/heap.py); then the plan and its reasons logged."""
     mx.set_cache_limit(plan.mlx_cache_limit_bytes)
     if heap.fix_mmap_threshold():
         plan.reasons.append(

@@ -10,6 +10,7 @@ LayerStreamer; with `expert_cache`, the experts go to the expert cache
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +18,11 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from flashserve.engine.compute import prompt_matmul, qmm
 from flashserve.engine.config import EngineConfig
 from flashserve.engine.experts.install import offload_from_config
 from flashserve.engine.kv.price import kv_bytes_per_token
+from flashserve.engine.streaming.denseplan import DenseShape, apply_dense_plan, record_in
 from flashserve.engine.streaming.memplan import apply_memory_plan, is_auto
 from flashserve.engine.streaming.residency import (
     MODES,
@@ -36,7 +39,12 @@ from flashserve.engine.weights.layout import (
     read_manifest,
     verify_files,
 )
-from flashserve.engine.weights.model import LoadedModel, ModelLoadError, context_length_of
+from flashserve.engine.weights.model import (
+    LoadedModel,
+    ModelLoadError,
+    compute_dtype,
+    context_length_of,
+)
 from flashserve.engine.weights.reader import CHUNK_BYTES, read_tensors
 
 log = logging.getLogger(__name__)
@@ -156,6 +164,65 @@ def activation_bytes(config: dict, engine: EngineConfig) -> int:
     return activations + logits
 
 
+def dense_activations(config: dict, engine: EngineConfig) -> Callable[[int, int], int]:
+    """(chunk tokens, context tokens) -> what a prompt chunk holds at once in a layer
+    (its hidden states, q/k/v, the MLP's three rows, and its attention scores
+    against the whole context, with the softmax's copy), and a full batch's logits."""
+    text = config.get("text_config") or {}
+
+    def get(key: str, default: int) -> int:
+        return int(config.get(key) or text.get(key) or default)
+
+    hidden = get("hidden_size", 4096)
+    heads = get("num_attention_heads", 32)
+    kv_heads = get("num_key_value_heads", heads)
+    head_dim = get("head_dim", hidden // heads)
+    inter = get("intermediate_size", 4 * hidden)
+    vocab = get("vocab_size", 32000)
+    size = compute_dtype().size
+    per_token = 6 * hidden + (heads + 2 * kv_heads) * head_dim + 3 * inter
+    logits = engine.max_batch * vocab * 4 * 4
+
+    def activations(chunk: int, context: int) -> int:
+        return chunk * per_token * size + 2 * heads * chunk * context * size + logits
+
+    return activations
+
+
+def _float_copies(config: EngineConfig, layers: list[nn.Module]) -> tuple[int, int]:
+    """The most float weight any layer's prompt chunks hold (compute/prompt_matmul.py
+    float_copies), read from the built layers' shapes (nothing is evaluated)."""
+    kernel = config.quantized_matmul != "mlx" and _avx512_kernel()
+    copies = [prompt_matmul.float_copies(layer, compute_dtype(), kernel) for layer in layers]
+    return max((c[0] for c in copies), default=0), max((c[1] for c in copies), default=0)
+
+
+def _dense_shape(
+    model_config: dict,
+    config: EngineConfig,
+    copies: tuple[int, int],
+    layer_bytes: list[int],
+    kv_per_token: int,
+) -> DenseShape:
+    """The dense plan's view of a model: `copies` from _float_copies."""
+    text = model_config.get("text_config") or {}
+    hidden = int(model_config.get("hidden_size") or text.get("hidden_size") or 4096)
+    return DenseShape(
+        layer_bytes=layer_bytes,
+        kv_bytes_per_token=kv_per_token,
+        held_bytes_per_token=2 * hidden * compute_dtype().size,  # generation/prefill.py
+        context_length=context_length_of(model_config),
+        activations=dense_activations(model_config, config),
+        float_copy_bytes=copies[0],
+        float_slice_bytes=copies[1],
+    )
+
+
+def _avx512_kernel() -> bool:
+    ext = qmm.extension()
+    return ext is not None and bool(getattr(ext, "avx512_active", lambda: False)())
+
+
 def load_prepared(path: Path, config: EngineConfig) -> LoadedModel:
     """Load a prepared directory with the residency `config` asks for."""
     from mlx_lm.utils import load_tokenizer
@@ -182,6 +249,10 @@ def load_prepared(path: Path, config: EngineConfig) -> LoadedModel:
     infos = [
         _layer_info(root, entry, layers[entry["index"]], prefix) for entry in manifest["layers"]
     ]
+    # Before the random initial weights go: the float copies a prompt makes are
+    # read from the quantized linears' shapes.
+    dense_plan = config.residency == "auto" and not config.expert_cache
+    copies = _float_copies(config, [info.module for info in infos]) if dense_plan else (0, 0)
     for info in infos:  # drop the random initial weights before anything evaluates them
         for slot in info.slots:
             slot.container[slot.key] = EMPTY
@@ -219,6 +290,13 @@ def load_prepared(path: Path, config: EngineConfig) -> LoadedModel:
         tokens=MODES.get(config.residency_mode) or context_length,
         chunk=config.prefill_step_size,
     )
+    if dense_plan:
+        # The dense memory plan writes its numbers into `config` (the worker's too);
+        # streamed layers are read around the page cache it leaves no room for.
+        shape = _dense_shape(model_config, config, copies, layer_bytes, kv_per_token)
+        streamer.memory_plan = apply_dense_plan(config, shape)
+        streamer.prefetch_depth = int(config.prefetch_depth)
+        streamer.direct_reads = mx.default_device() == mx.cpu
     if is_auto(config.expert_cache):
         # The memory plan writes its numbers into `config` (the worker's too).
         streamer.memory_plan = apply_memory_plan(
@@ -238,6 +316,9 @@ def load_prepared(path: Path, config: EngineConfig) -> LoadedModel:
         context_length=context_length,
         runtime_reserve=runtime_reserve(model_config, config),
     )
+    memory_plan = getattr(streamer, "memory_plan", None)
+    if dense_plan and memory_plan is not None:
+        record_in(plan.inputs, memory_plan, config.residency_mode)
     log.info(plan.describe())
     streamer.plan = plan
     streamer.apply(plan.resident_layers)
@@ -255,6 +336,7 @@ def load_prepared(path: Path, config: EngineConfig) -> LoadedModel:
             experts.cache.prefill_room = memory_plan.prefill_reserve_bytes
             experts.cache.chunk_activation_bytes = activation_bytes(model_config, config)
             experts.cache.state_bytes_per_token = kv_per_token
+    bound = getattr(memory_plan, "context_tokens", None)
     try:
         tokenizer = load_tokenizer(root, eos_token_ids=model_config.get("eos_token_id"))
     except Exception as exc:
@@ -272,7 +354,8 @@ def load_prepared(path: Path, config: EngineConfig) -> LoadedModel:
         config=model_config,
         model_id=config.model_id or root.name,
         path=root,
-        context_length=context_length,
+        context_length=min(context_length, bound) if bound else context_length,
         streamer=streamer,
         experts=experts,
+        model_context_length=context_length if bound and bound < context_length else None,
     )

@@ -53,12 +53,15 @@ from flashserve.engine.weights.layout import align_up
 from flashserve.engine.weights.model import ModelLoadError
 from flashserve.engine.weights.reader import (
     CHUNK_BYTES,
+    DIRECT_ALIGN,
+    DIRECT_SLACK,
     FileRead,
     Piece,
     ReadPool,
     WeightFileError,
     allocate,
     chunk_pieces,
+    direct_base,
     safetensors_views,
     shared_pool,
     view_as,
@@ -137,6 +140,7 @@ class _Read:
     job: FileRead
     buffer: mx.array
     raw: np.ndarray
+    base: int = 0  # where the file starts in the buffer (a direct read's aligned start)
 
 
 @dataclass
@@ -164,6 +168,10 @@ class LayerStreamer:
     drop_page_cache: bool = False
     plan: ResidencyPlan | None = None
     residency: ResidencyManager | None = None
+    # Layer files read around the page cache (O_DIRECT; F_NOCACHE on macOS): under
+    # a memory plan every byte of the limit is planned, and a page-cache copy of
+    # each streamed layer would be charged to it (and evict the libraries' code).
+    direct_reads: bool = False
     # Seconds a read may make no progress before the layer's request fails.
     io_timeout: float = 30.0
     chunk_bytes: int = CHUNK_BYTES  # the manifest's checksum chunk
@@ -268,9 +276,13 @@ class LayerStreamer:
 
         `fresh`: into new buffers (a resident layer keeps them), not recycled ones.
         """
-        buffer, raw = self._buffer(info.file_bytes, fresh)
-        pieces = chunk_pieces(raw[: info.file_bytes], info.crc32, self.chunk_bytes)
-        dense = _Read(self._read(info.file, info.file_bytes, pieces), buffer, raw)
+        size = info.file_bytes
+        direct = self.direct_reads
+        buffer, raw = self._buffer(size + (DIRECT_SLACK if direct else 0), fresh)
+        base = direct_base(raw) if direct else 0
+        end = base + (-(-size // DIRECT_ALIGN) * DIRECT_ALIGN if direct else size)
+        pieces = chunk_pieces(raw[base:end], info.crc32, self.chunk_bytes, size)
+        dense = _Read(self._read(info.file, size, pieces, direct), buffer, raw, base)
         experts = None
         nbytes = info.dense_bytes
         if info.switches and self.experts_with_layers:
@@ -278,8 +290,10 @@ class LayerStreamer:
             nbytes += info.expert_bytes
         return _Pending(info.index, dense, experts, nbytes)
 
-    def _read(self, path: Path, size: int, pieces: list[Piece]) -> FileRead:
-        return FileRead(path, size, pieces, self.pool, drop_page_cache=self.drop_page_cache)
+    def _read(self, path: Path, size: int, pieces: list[Piece], direct: bool = False) -> FileRead:
+        return FileRead(
+            path, size, pieces, self.pool, drop_page_cache=self.drop_page_cache, direct=direct
+        )
 
     def _load_experts(self, info: LayerInfo, fresh: bool) -> _Read:
         """One preadv per expert record, scattered into the stacked tensors' regions."""
@@ -311,7 +325,7 @@ class LayerStreamer:
         dense = pending.dense
         dense.job.wait(self.io_timeout)
         weights = {}
-        for name, arr in safetensors_views(dense.buffer, dense.raw, info.file).items():
+        for name, arr in safetensors_views(dense.buffer, dense.raw, info.file, dense.base).items():
             if not name.startswith(lp):
                 raise WeightFileError(f"{info.file}: tensor {name} is not of layer {info.index}")
             weights[name[len(lp) :]] = arr
@@ -341,14 +355,14 @@ class LayerStreamer:
         (prefetch_depth + 1) layer buffers.
         """
         if fresh:
-            return allocate(size)
+            return allocate(size, self.direct_reads)
         size = -(-size // _SIZE_CLASS) * _SIZE_CLASS
         with self._lock:
             spare = self._free.get(size)
             if spare:
                 return spare.pop()
             self._free.clear()
-        return allocate(size)
+        return allocate(size, self.direct_reads)
 
     def _recycle(self, pending: _Pending) -> None:
         """Keep a run layer's buffers for the next loads (no allocation per token)."""

@@ -35,6 +35,9 @@ class LoadedModel:
     streamer: Any = None
     # Set when MoE experts are offloaded (experts.offload.ExpertOffload).
     experts: Any = None
+    # The model's own context where memory bounds `context_length` to less (the
+    # dense memory plan: streaming/denseplan.py); None: it does not.
+    model_context_length: int | None = None
 
 
 def context_length_of(config: dict) -> int:

@@ -19,8 +19,10 @@ another thread, until the stuck read returns.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
+import mmap
 import os
 import queue
 import stat
@@ -30,6 +32,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +40,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from flashserve.engine.compute import qmm
 from flashserve.engine.weights.checksum import crc32
 from flashserve.engine.weights.layout import ALIGN, PAD_PREFIX
 from flashserve.engine.weights.model import ModelLoadError
@@ -48,6 +52,7 @@ log = logging.getLogger(__name__)
 # up: slower, fewer reads in flight).
 CHUNK_BYTES = 4 << 20
 READ_THREADS = 8  # SSDs want a queue of reads; the syscall releases the GIL
+DIRECT_ALIGN = 4096  # O_DIRECT's boundary for offsets, lengths and addresses
 
 # safetensors dtype names -> MLX dtypes (weights/prepare.py writes the same names)
 ST_DTYPES: dict[str, mx.Dtype] = {
@@ -162,29 +167,76 @@ class Piece:
     offset: int
     targets: list[memoryview]  # writable uint8 views; their lengths sum to the range
     crc32: int | None  # of the range's bytes; None: not checked
+    # Bytes of the last target past the range: a direct read's length is whole
+    # blocks, so the file's last piece reads up to its end into a longer view.
+    tail: int = 0
 
     @property
     def nbytes(self) -> int:
-        return sum(len(t) for t in self.targets)
+        return sum(len(t) for t in self.targets) - self.tail
+
+    def checked(self) -> list[memoryview]:
+        """The targets without the tail: the range's own bytes."""
+        if not self.tail:
+            return self.targets
+        return [*self.targets[:-1], self.targets[-1][: len(self.targets[-1]) - self.tail]]
 
 
-def preadv_all(fd: int, targets: list[memoryview], offset: int, path: Path) -> None:
-    """Fill `targets` from `fd` at `offset` (preadv until done; it releases the GIL).
-    WeightFileError when the file ends first; OSError as the system gives it."""
+def preadv_all(
+    fd: int, targets: list[memoryview], offset: int, path: Path, need: int | None = None
+) -> None:
+    """Fill `targets` from `fd` at `offset` (preadv until done; it releases the GIL), or
+    their first `need` bytes: the rest lies past the end of the file. WeightFileError
+    when the file ends first; OSError as the system gives it."""
     views = list(targets)
     pos = offset
-    while views:
+    left = sum(len(v) for v in views) if need is None else need
+    while left > 0:
         n = os.preadv(fd, views, pos)
         if n == 0:
             raise WeightFileError(
                 f"{path}: ends at byte {pos} (truncated; prepare the model again)"
             )
         pos += n
+        left -= n
         while views and n >= len(views[0]):
             n -= len(views[0])
             views.pop(0)
         if n:
             views[0] = views[0][n:]
+
+
+def open_direct(path: Path, direct: bool) -> tuple[int, bool]:
+    """`path` opened for reads that bypass the page cache where this system and file
+    system allow; returns (fd, whether reads must be block-aligned). Not `direct`:
+    Linux reads go through the page cache (the buffers are a GPU's: whether the
+    kernel can read straight into them is not something to find out mid-request)."""
+    if hasattr(os, "O_DIRECT") and direct:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        except OSError:  # a file system without direct I/O (tmpfs on old kernels)
+            return os.open(path, os.O_RDONLY), False
+        if _direct_reads_work(fd):
+            return fd, True
+        os.close(fd)
+        return os.open(path, os.O_RDONLY), False
+    fd = os.open(path, os.O_RDONLY)
+    if hasattr(fcntl, "F_NOCACHE"):  # macOS: no alignment needed
+        with suppress(OSError):
+            fcntl.fcntl(fd, fcntl.F_NOCACHE, 1)
+    return fd, False
+
+
+def _direct_reads_work(fd: int) -> bool:
+    """Some file systems accept O_DIRECT at open and refuse the read (EINVAL)."""
+    page = mmap.mmap(-1, DIRECT_ALIGN)  # page-aligned
+    try:
+        os.preadv(fd, [page], 0)
+        return True
+    except OSError:
+        return False
+    finally:
+        page.close()
 
 
 class FileRead:
@@ -204,9 +256,13 @@ class FileRead:
         *,
         task_bytes: int = CHUNK_BYTES,
         drop_page_cache: bool = False,
+        direct: bool = False,
     ) -> None:
         self.path = Path(path)
         self.size = size
+        # Around the page cache (open_direct): the pieces are then whole blocks at
+        # block-aligned addresses (direct_pieces).
+        self._direct = direct
         self.future: Future[None] = Future()
         self._pool = pool
         self._drop_page_cache = drop_page_cache and hasattr(os, "posix_fadvise")
@@ -235,7 +291,10 @@ class FileRead:
     def _start(self) -> None:
         self._progress = time.monotonic()
         try:
-            fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            if self._direct:
+                fd, _ = open_direct(self.path, True)
+            else:
+                fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         except OSError as exc:
             self._fail(WeightFileError(f"{self.path}: cannot open: {exc.strerror or exc}"))
             return
@@ -266,10 +325,10 @@ class FileRead:
                 if self.future.done():  # failed elsewhere: stop reading
                     break
                 self._progress = time.monotonic()
-                preadv_all(self._fd, piece.targets, piece.offset, self.path)
+                preadv_all(self._fd, piece.targets, piece.offset, self.path, piece.nbytes)
                 if piece.crc32 is not None:
                     crc = 0
-                    for target in piece.targets:
+                    for target in piece.checked():
                         crc = crc32(target, crc)
                     if crc != piece.crc32:
                         end = piece.offset + piece.nbytes
@@ -324,28 +383,55 @@ class FileRead:
                 continue
 
 
-def allocate(size: int) -> tuple[mx.array, np.ndarray]:
-    """An MLX uint8 buffer and numpy's writable view of it. Call on the MLX thread."""
-    buffer = mx.zeros((size,), dtype=mx.uint8)
+def allocate(size: int, unwritten: bool = False) -> tuple[mx.array, np.ndarray]:
+    """An MLX uint8 buffer and numpy's writable view of it. Call on the MLX thread.
+
+    `unwritten`: not zero-filled first, where flashserve's extension can make it
+    (the read that fills it faults its pages in on the I/O thread, not the MLX
+    stream; experts/store.py does the same).
+    """
+    make = None
+    if unwritten and mx.default_device() == mx.cpu and 0 < size < 1 << 31:
+        make = getattr(qmm.extension(), "uninitialized_bytes", None)
+    buffer = make(size) if make is not None else mx.zeros((size,), dtype=mx.uint8)
     mx.eval(buffer)
     return buffer, np.array(buffer, copy=False)
 
 
-def chunk_pieces(raw: np.ndarray, crcs: list[int] | None, chunk_bytes: int) -> list[Piece]:
-    """Pieces covering a whole file read into `raw`, one per checksum chunk."""
-    size = raw.size
+def chunk_pieces(
+    raw: np.ndarray, crcs: list[int] | None, chunk_bytes: int, size: int | None = None
+) -> list[Piece]:
+    """Pieces covering a whole file of `size` bytes (default: all of `raw`) read into
+    `raw`, one per checksum chunk. Where `raw` is longer, the last piece reads up
+    to the next DIRECT_ALIGN boundary (a direct read's whole block)."""
+    size = raw.size if size is None else size
     count = -(-size // chunk_bytes)
     if crcs is not None and len(crcs) != count:
         raise ValueError(f"{len(crcs)} checksums for {count} chunks of {size} bytes")
     view = memoryview(raw)
-    return [
+    pieces = [
         Piece(
             k * chunk_bytes,
-            [view[k * chunk_bytes : (k + 1) * chunk_bytes]],
+            [view[k * chunk_bytes : min((k + 1) * chunk_bytes, size)]],
             None if crcs is None else crcs[k],
         )
         for k in range(count)
     ]
+    end = min(raw.size, -(-size // DIRECT_ALIGN) * DIRECT_ALIGN)
+    if pieces and end > size:
+        last = pieces[-1]
+        last.targets = [view[last.offset : end]]
+        last.tail = end - size
+    return pieces
+
+
+def direct_base(raw: np.ndarray) -> int:
+    """Where in `raw` a direct read may start: the first block-aligned address (a
+    buffer of DIRECT_SLACK bytes more than the file holds the file from there)."""
+    return -raw.ctypes.data % DIRECT_ALIGN
+
+
+DIRECT_SLACK = 2 * DIRECT_ALIGN  # an aligned start, and the last block's end
 
 
 def file_crcs(path: Path, chunk_bytes: int = CHUNK_BYTES) -> list[int]:
@@ -357,14 +443,17 @@ def file_crcs(path: Path, chunk_bytes: int = CHUNK_BYTES) -> list[int]:
     return out
 
 
-def safetensors_views(buffer: mx.array, raw: np.ndarray, path: Path) -> dict[str, mx.array]:
-    """The tensors of a safetensors file held whole in `buffer`, as views of it."""
+def safetensors_views(
+    buffer: mx.array, raw: np.ndarray, path: Path, base: int = 0
+) -> dict[str, mx.array]:
+    """The tensors of a safetensors file held whole in `buffer` from byte `base`, as
+    views of it."""
     try:
-        (n,) = struct.unpack("<Q", raw[:8].tobytes())
-        header = json.loads(raw[8 : 8 + n].tobytes())
+        (n,) = struct.unpack("<Q", raw[base : base + 8].tobytes())
+        header = json.loads(raw[base + 8 : base + 8 + n].tobytes())
     except (struct.error, ValueError) as exc:
         raise WeightFileError(f"{path}: not a safetensors file ({exc})") from None
-    start = 8 + n
+    start = base + 8 + n
     out = {}
     for name, spec in header.items():
         if name == "__metadata__" or name.startswith(PAD_PREFIX):

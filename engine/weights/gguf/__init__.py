@@ -6,6 +6,6 @@
                tensor fixes llama.cpp's converter made (Q/K permutation, norms).
 - `tokenizer`  tokenizer.json rebuilt from the tokenizer metadata.
 - `model`      GGUF -> mlx-lm model, tokenizer and config; `import-gguf`.
-- `synthetic`  random-weight qwen3moe GGUF files written as ggml blocks (the
-               bench's cap model); imports weights/synthetic.py.
+- `synthetic`  random-weight qwen3moe and dense qwen3 GGUF files written as
+               ggml blocks (the bench's cap models); imports weights/synthetic.py.
 """

@@ -1,4 +1,4 @@
-"""Random-weight GGUF files written straight as ggml blocks (the bench's cap model).
+"""Random-weight GGUF files written straight as ggml blocks (the bench's cap models).
 
 One tensor at a time, so a model of several GB never sits in memory and no
 float32 copy is made: Q4_0 blocks of random nibbles with small float16 scales
@@ -32,6 +32,19 @@ CAP_MOE = {
     "context": 4096,
 }
 QUICK_CAP_MOE = dict(CAP_MOE, hidden=512, layers=4, experts=16, top_k=4, moe_inter=256, heads=8)
+# ~0.69 GB: a dense qwen3 of 1.2B parameters in Q4_0 (issue 54's model): 24 layers
+# of 2048 wide, an MLP of 6144, 16 query heads and 8 KV heads of 128.
+CAP_DENSE = {
+    "hidden": 2048,
+    "layers": 24,
+    "experts": 0,
+    "inter": 6144,
+    "heads": 16,
+    "kv_heads": 8,
+    "head_dim": 128,
+    "context": 4096,
+}
+QUICK_CAP_DENSE = dict(CAP_DENSE, hidden=512, layers=4, inter=1536, heads=8, kv_heads=4)
 FORMAT = 3  # bumped when the file changes: a cached model of another format is rewritten
 Q4_0_BLOCK, Q4_0_BYTES = 32, 18  # weights per block, bytes per block (f16 scale + nibbles)
 
@@ -94,8 +107,9 @@ def add_metadata(writer: Any, metadata: dict[str, Any]) -> None:
             writer.add_array(key, value)
 
 
-def write_moe_gguf(path: Path, shape: dict[str, int], seed: int = 0) -> Path:
-    """Write a random qwen3moe GGUF of `shape` (see CAP_MOE) to `path`."""
+def write_gguf(path: Path, shape: dict[str, int], seed: int = 0) -> Path:
+    """Write a random GGUF of `shape` to `path`: qwen3moe (CAP_MOE), or a dense
+    qwen3 when the shape has no experts (CAP_DENSE)."""
     try:
         import gguf
     except ImportError as exc:
@@ -109,15 +123,16 @@ def write_moe_gguf(path: Path, shape: dict[str, int], seed: int = 0) -> Path:
     with tempfile.TemporaryDirectory() as tmp:
         vocab = build_tokenizer(Path(tmp))
         tokenizer = tokenizer_metadata(Path(tmp))
-    h, hd, inter = shape["hidden"], shape["head_dim"], shape["moe_inter"]
-    heads, kv, n = shape["heads"], shape["kv_heads"], shape["experts"]
-    arch = "qwen3moe"
+    h, hd = shape["hidden"], shape["head_dim"]
+    heads, kv, n = shape["heads"], shape["kv_heads"], shape.get("experts", 0)
+    inter = shape["moe_inter"] if n else shape["inter"]
+    arch = "qwen3moe" if n else "qwen3"
     writer = gguf.GGUFWriter(str(path), arch)
     metadata: dict[str, Any] = {
         f"{arch}.block_count": shape["layers"],
         f"{arch}.context_length": shape["context"],
         f"{arch}.embedding_length": h,
-        f"{arch}.feed_forward_length": 4 * h,
+        f"{arch}.feed_forward_length": 4 * h if n else inter,
         f"{arch}.attention.head_count": heads,
         f"{arch}.attention.head_count_kv": kv,
         f"{arch}.attention.key_length": hd,
@@ -125,11 +140,12 @@ def write_moe_gguf(path: Path, shape: dict[str, int], seed: int = 0) -> Path:
         f"{arch}.attention.layer_norm_rms_epsilon": 1e-6,
         f"{arch}.rope.freq_base": 1000000.0,
         f"{arch}.rope.dimension_count": hd,
-        f"{arch}.expert_count": n,
-        f"{arch}.expert_used_count": shape["top_k"],
-        f"{arch}.expert_feed_forward_length": inter,
         **tokenizer,
     }
+    if n:
+        metadata[f"{arch}.expert_count"] = n
+        metadata[f"{arch}.expert_used_count"] = shape["top_k"]
+        metadata[f"{arch}.expert_feed_forward_length"] = inter
     add_metadata(writer, metadata)
 
     # (name, element shape (numpy order), ggml type, maker of its data)
@@ -167,6 +183,11 @@ def write_moe_gguf(path: Path, shape: dict[str, int], seed: int = 0) -> Path:
         norm(f"{b}.attn_q_norm.weight", hd)
         norm(f"{b}.attn_k_norm.weight", hd)
         norm(f"{b}.ffn_norm.weight", h)
+        if not n:
+            matrix(f"{b}.ffn_gate.weight", inter, h)
+            matrix(f"{b}.ffn_up.weight", inter, h)
+            matrix(f"{b}.ffn_down.weight", h, inter)
+            continue
         plan.append(
             (
                 f"{b}.ffn_gate_inp.weight",
