@@ -15,11 +15,12 @@ whatever the tokenizer would make of its text.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
 
-from flashserve.engine.generation.worker import MEMORY_CHECK_INTERVAL as CHECK_EVERY
+from flashserve.engine.generation.memory_guard import MEMORY_CHECK_INTERVAL as CHECK_EVERY
 from tests.conftest import start_server, stop_server
 from tests.streaming_fixtures import prepared_model
 
@@ -79,6 +80,12 @@ def test_next_turn_reuses_prompt_and_answer_after_shedding(
             # one, and the check shrank the memory tier after the answer was stored
             # (an earlier check would leave the answer's state beside the one it kept).
             assert steps() % CHECK_EVERY == 0, (turn, steps())
+            # The check runs on the worker just after the reply went out: wait for its
+            # shedding event (pressure is on at every check), then read the tier.
+            deadline = time.monotonic() + 30
+            while len(http.get("/memory").json()["shedding_events"]) < turn + 1:
+                assert time.monotonic() < deadline, turn
+                time.sleep(0.02)
             memory = http.get("/cache/stats").json()["prompt_cache"]["memory"]
             assert memory["entries"] == 1, (turn, memory)
             if turn:

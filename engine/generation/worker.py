@@ -27,6 +27,7 @@ from flashserve.engine.config import EngineConfig
 from flashserve.engine.distributed.mirror import Mirror, load_model
 from flashserve.engine.generation import decode_step, prompt_states
 from flashserve.engine.generation.choices import Choice, Start, keep_first_space
+from flashserve.engine.generation.memory_guard import MemoryGuard, kv_tokens
 from flashserve.engine.generation.prefill import (
     LayerMajorPrefill,
     LayerMajorUnsupported,
@@ -65,8 +66,6 @@ from flashserve.engine.weights.reader import WeightFileError
 
 log = logging.getLogger(__name__)
 
-MEMORY_CHECK_INTERVAL = 64  # generated tokens between memory-pressure checks
-
 
 def _log_failure(what: str, exc: BaseException) -> None:
     """A damaged or stalled weight file is a known fault: one line naming the file.
@@ -94,6 +93,8 @@ class Engine:
         self.loaded: LoadedModel | None = None
         self.prompt_cache: PromptCache | None = None  # set once the model is loaded
         self._layer_major: LayerMajorPrefill | None = None
+        self.guard: MemoryGuard | None = None  # set once the model is loaded
+        self._held: RequestHandle | None = None  # next in line, waiting for KV room
         self.mirror: Mirror | None = None  # the model is split across ranks: rank 0's side
         self.stats = WorkerStats()
         self.speculation = Speculation(
@@ -167,6 +168,7 @@ class Engine:
             self.loaded, self.mirror = load_model(self.config)  # split across ranks?
             self.prompt_cache = prompt_cache_for(self.config, self.loaded)
             self._layer_major = LayerMajorPrefill.for_engine(self.config, self.loaded)
+            self.guard = MemoryGuard.for_loaded(self.loaded)
             self.state = "ready"
             log.info(
                 "model %s ready (context %d tokens, float matmuls on %s BLAS)",
@@ -279,8 +281,8 @@ class Engine:
         for uid in [u for u, a in active.items() if a.failed]:
             batch.remove([uid])
             self._fail(active, uid, active[uid].failed)
-        if self.stats.steps % MEMORY_CHECK_INTERVAL == 0:
-            self._check_memory()
+        if self.guard is not None:
+            self.guard.after_step(self.stats.steps)
 
     def _admit(self, batch: BatchGenerator, active: dict[int, Choice], block: bool) -> bool:
         """Move waiting requests into the batch while slots are free; False on shutdown."""
@@ -288,20 +290,25 @@ class Engine:
         running = True
         # A request takes one slot per choice; one with more choices than the slots
         # left still comes in whole (the batch runs over max_batch by fewer than n).
+        reserved = sum(kv_tokens(c.handle.request) // c.handle.request.n for c in active.values())
         while len(active) + sum(h.request.n for h in handles) < self.config.max_batch:
             try:
-                handle = self._queue.get() if block else self._queue.get_nowait()
+                handle, self._held = self._held or self._queue.get(block, None), None
             except queue.Empty:
                 break
             block = False
             if handle is None:
                 running = False
                 break
-            handle.started = True
-            handle.taken_at = time.perf_counter()
             if handle.cancelled:
                 self._cancel_waiting(handle)
                 continue
+            if self.guard is not None and not self.guard.admits(reserved, handle.request):
+                self._held = handle  # first in line once the batch's KV has room
+                break
+            reserved += kv_tokens(handle.request)
+            handle.started = True
+            handle.taken_at = time.perf_counter()
             handles.append(handle)
         starts = [s for s in (self._prepare(h) for h in handles) if s is not None]
         self._prefill_layer_major(starts)
@@ -574,12 +581,6 @@ class Engine:
         self.stats.requests_failed += 1
         entry.handle.push(error_event(exc))
         entry.handle.cancelled = True
-
-    def _check_memory(self) -> None:
-        streamer = self.loaded.streamer if self.loaded is not None else None
-        check = getattr(streamer, "check_memory", None)
-        if check is not None:
-            check()
 
     def weight_bytes_read(self) -> int:
         """Weight bytes read from disk so far: streamed layers and offloaded experts."""

@@ -310,16 +310,30 @@ class ResidencyManager:
 
         return available_memory()
 
+    def shed(self, deficit: int) -> ShedEvent | None:
+        """Give back about `deficit` bytes now, whatever available memory says (the
+        worker saw this process read far more from disk than its plan: something
+        else took the plan's room). The pressure hooks first, then layers. Never
+        raises."""
+        try:
+            return self._give_back(self._available(), max(int(deficit), 1), forced=True)
+        except Exception:
+            log.exception("shedding failed")
+            return None
+
     def _check(self) -> ShedEvent | None:
         available = self._available()
         if available >= self.floor:
             return None
+        return self._give_back(available, self.floor - available, forced=False)
+
+    def _give_back(self, available: int, deficit: int, forced: bool) -> ShedEvent | None:
         freed = 0
         for hook in self.pressure_hooks:
-            freed += int(hook(self.floor - available) or 0)
+            freed += int(hook(deficit) or 0)
         if freed:
             available = self._available()
-            if available >= self.floor:
+            if (freed >= deficit) if forced else (available >= self.floor):
                 event = ShedEvent(
                     time.time(),
                     available,
@@ -353,13 +367,13 @@ class ResidencyManager:
             shed_layers=victims,
             resident_after=len(self.resident()),
             freed_by_hooks=freed,
+            note="reads past the plan" if forced else "",
         )
         self.events.append(event)
         log.warning(
-            "memory pressure: available %s < floor %s; "
-            "shed %d resident layers %s (%d left resident)",
+            "memory pressure: available %s%s; shed %d resident layers %s (%d left resident)",
             fmt_bytes(available),
-            fmt_bytes(self.floor),
+            " (reads past the plan)" if forced else f" < floor {fmt_bytes(self.floor)}",
             len(victims),
             victims,
             event.resident_after,

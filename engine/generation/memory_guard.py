@@ -1,0 +1,108 @@
+"""What the worker watches to serve inside a memory plan.
+
+* KV admission. The dense memory plan (streaming/denseplan.py) reserves KV
+  for a number of tokens, the memory-bound context. A request that needs more
+  on its own is refused by the server before it gets here (the context-length
+  error of its dialect: loaded.context_length is that bound). Requests that fit
+  alone but not beside the batch wait in the queue, first come first served,
+  until enough of the batch has ended: the KV of every sequence in the batch
+  (its prompt and its whole answer, one per choice) stays within the plan.
+* Memory checks every MEMORY_CHECK_INTERVAL decode steps (the residency
+  manager sheds under pressure: streaming/residency.py).
+* Reads beyond the plan. A process whose memory is overcommitted keeps
+  re-reading its own code and weights from disk (issue 54: 130 GB read in 4.5
+  minutes, no token). Every WINDOW decode steps the bytes this process read
+  from storage (/proc/self/io, page faults on its files included) are compared
+  with the model's bytes: past AMPLIFICATION times the model per step, it says
+  so and sheds (the pressure hooks, then resident layers) instead of going on.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from flashserve.engine.generation.requests import GenerationRequest
+from flashserve.engine.streaming.residency import fmt_bytes
+
+log = logging.getLogger(__name__)
+
+MEMORY_CHECK_INTERVAL = 64  # decode steps between memory-pressure checks
+WINDOW = 8  # decode steps per read check
+# A step reads at most the model once (every layer streamed); a step that reads
+# twice the model re-reads what the plan meant to keep.
+AMPLIFICATION = 2.0
+
+
+def kv_tokens(request: GenerationRequest) -> int:
+    """KV tokens `request` holds at most in the batch: its prompt and whole answer, per choice."""
+    return (len(request.prompt_tokens) + max(request.max_tokens, 0)) * max(request.n, 1)
+
+
+def process_read_bytes(path: Path = Path("/proc/self/io")) -> int | None:
+    """Bytes this process has caused to be read from storage (Linux); None elsewhere."""
+    try:
+        for line in path.read_text().splitlines():
+            if line.startswith("read_bytes:"):
+                return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+class MemoryGuard:
+    """The worker's KV budget, memory checks and read watch for one loaded model."""
+
+    def __init__(self, loaded: Any, kv_budget: int | None) -> None:
+        self.streamer = getattr(loaded, "streamer", None)
+        self.kv_budget = kv_budget  # tokens; None: the plan bounds no KV
+        snap = self.streamer.snapshot() if self.streamer is not None else None
+        self.model_bytes = (
+            snap["non_layer_bytes"]
+            + sum(self.streamer.layer_bytes(i) for i in range(snap["num_layers"]))
+            if snap is not None
+            else 0
+        )
+        self.thrash_events = 0
+        self._steps = 0
+        self._read_at: int | None = process_read_bytes() if self.model_bytes else None
+
+    @classmethod
+    def for_loaded(cls, loaded: Any) -> MemoryGuard:
+        plan = getattr(getattr(loaded, "streamer", None), "memory_plan", None)
+        return cls(loaded, getattr(plan, "context_tokens", None))
+
+    def admits(self, reserved: int, request: GenerationRequest) -> bool:
+        """Whether `request` may join a batch whose sequences hold `reserved` KV tokens
+        (a request the batch cannot hold even alone is the server's to refuse)."""
+        if self.kv_budget is None or reserved == 0:
+            return True
+        return reserved + kv_tokens(request) <= self.kv_budget
+
+    def after_step(self, steps: int) -> None:
+        """Call after each decode step (`steps`: decode steps so far)."""
+        if steps % MEMORY_CHECK_INTERVAL == 0 and self.streamer is not None:
+            self.streamer.check_memory()
+        if self._read_at is None:
+            return
+        self._steps += 1
+        if self._steps < WINDOW:
+            return
+        now = process_read_bytes()
+        if now is None:
+            self._read_at = None
+            return
+        per_step = (now - self._read_at) / self._steps
+        self._read_at, self._steps = now, 0
+        if per_step > AMPLIFICATION * self.model_bytes:
+            self.thrash_events += 1
+            log.warning(
+                "reading %s from disk per decode step, %.1fx the model's %s: memory is "
+                "overcommitted (the plan's room taken by something else); shedding",
+                fmt_bytes(per_step),
+                per_step / self.model_bytes,
+                fmt_bytes(self.model_bytes),
+            )
+            if self.streamer is not None and self.streamer.residency is not None:
+                self.streamer.residency.shed(per_step)
