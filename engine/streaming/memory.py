@@ -325,7 +325,9 @@ class MemoryReport:
     # private - resident weights - expert cache - KV: the runtime's own memory
     # (MLX's pool, buffers, the prompt cache's memory tier, Python)
     overhead_bytes: int = 0
-    memory_plan: dict | None = None  # streaming/memplan.py's plan (--expert-cache auto)
+    memory_plan: dict | None = None  # the memory plan (memplan.py, denseplan.py)
+    context_length: int = 0  # tokens a request may use: the model's, or the memory-bound
+    model_context_length: int | None = None  # the model's own, where memory bounds it
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -359,6 +361,8 @@ def memory_report(
         expert_cache_bytes=expert_bytes,
         overhead_bytes=max(0, private - layout["resident_weight_bytes"] - expert_bytes - kv),
         memory_plan=plan.to_dict() if plan is not None else None,
+        context_length=int(getattr(loaded, "context_length", 0) or 0),
+        model_context_length=getattr(loaded, "model_context_length", None),
         rss_bytes=process_rss(),
         system_total_bytes=sysmem.total,
         system_available_bytes=sysmem.available,

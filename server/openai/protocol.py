@@ -534,7 +534,10 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "flashserve"
+    # Tokens a request may use; where the memory plan bounds it (--residency auto),
+    # the KV that fits, and the model's own context beside it.
     context_length: int | None = None
+    model_context_length: int | None = None
 
 
 class ModelList(BaseModel):

@@ -64,7 +64,16 @@ class MemoryResponse(BaseModel):
         description="private memory besides resident weights, the expert cache and KV"
     )
     memory_plan: dict | None = Field(
-        description="--expert-cache auto: the split of the memory limit and why; null: not asked"
+        description="--expert-cache auto, or --residency auto on a dense model: the split of "
+        "the memory limit and why; null: not asked"
+    )
+    context_length: int = Field(
+        description="tokens a request may use (prompt + answer): the model's context, or "
+        "less where the memory plan bounds it (the KV that fits)"
+    )
+    model_context_length: int | None = Field(
+        description="the model's own context where memory bounds context_length; null: it "
+        "does not"
     )
     streaming: dict | None = Field(description="streamed-layer counters; null: all resident")
     batch: BatchView

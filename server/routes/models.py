@@ -17,6 +17,7 @@ def _card(request: Request, loaded: LoadedModel) -> ModelCard:
         id=loaded.model_id,
         created=request.app.state.started_at,
         context_length=loaded.context_length,
+        model_context_length=loaded.model_context_length,
     )
 
 

@@ -1,0 +1,321 @@
+"""`--residency auto` on a dense model: the memory plan (streaming/denseplan.py) on its
+own, and a real server serving a dense model larger than its real cgroup v1 limit
+(issue 54: the plan overcommitted, and the process thrashed until the OOM killer
+came).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from pathlib import Path
+
+import anthropic
+import mlx.core as mx
+import openai
+import pytest
+from mlx_lm.utils import load as mlx_lm_load
+
+from flashserve.engine.config import EngineConfig
+from flashserve.engine.loader import load
+from flashserve.engine.streaming.denseplan import (
+    MIN_CONTEXT,
+    DenseSettings,
+    DenseShape,
+    plan_dense,
+)
+from flashserve.engine.streaming.diskio import drop_page_cache
+from flashserve.engine.weights.model import ModelLoadError
+from tests.conftest import NO_EOS, stop_server
+from tests.streaming_fixtures import big_llama, prepared_model, source_model
+from tests.test_expert_direct_reads import _cached_pages
+from tests.test_memory_limits import _make_group, _remove_group, _start_in_group
+from tests.test_streaming import PROMPT, greedy
+
+MB = 1024 * 1024
+CAP = 256 * MB  # the ~300 MB float32 llama does not fit
+
+
+def _shape(**changes: object) -> DenseShape:
+    shape = DenseShape(
+        layer_bytes=[30 * MB] * 24,
+        kv_bytes_per_token=200 * 1024,
+        held_bytes_per_token=16 * 1024,
+        context_length=4096,
+        activations=lambda chunk, context: chunk * 128 * 1024 + chunk * context * 128,
+        float_copy_bytes=48 * MB,
+        float_slice_bytes=16 * MB,
+    )
+    for key, value in changes.items():
+        setattr(shape, key, value)
+    return shape
+
+
+def _settings(**changes: object) -> DenseSettings:
+    settings = DenseSettings(
+        prompt_cache_bytes=100 * MB,
+        prefix_states=True,
+        prefetch_depth=2,
+        keep_float_copies=True,
+        chunk=512,
+        context=1024,
+    )
+    for key, value in changes.items():
+        setattr(settings, key, value)
+    return settings
+
+
+def _plan(available: int, limit: int | None = None, **kwargs: object):
+    args: dict = {
+        "limit": limit or available + 100 * MB,
+        "available": available,
+        "source": "cgroup v1 /x",
+        "shed_floor": 300 * MB,
+        "file_bytes": 40 * MB,
+        "disk_tier": True,
+    }
+    args.update(kwargs)
+    return plan_dense(_shape(), _settings(), **args)
+
+
+def _planned(plan) -> int:
+    """Everything the plan sets aside, what was in use at load included."""
+    return (
+        plan.in_use_bytes
+        + plan.file_reserve_bytes
+        + plan.runtime_reserve_bytes
+        + plan.prefill_reserve_bytes
+        + plan.kv_reserve_bytes
+        + plan.prompt_cache_bytes
+        + plan.resident_layer_bytes
+        + plan.stream_buffer_bytes
+    )
+
+
+def test_a_model_that_fits_stays_resident_and_its_context_widens() -> None:
+    plan, kept = _plan(available=4096 * MB)
+    assert plan.resident_layers == 24 and plan.stream_buffer_bytes == 0
+    assert kept == _settings(context=4096)  # nothing given up; the context widened
+    assert plan.context_tokens == 4096  # the model's whole context fits beside it
+    assert _planned(plan) <= plan.limit_bytes
+
+
+def test_layers_that_do_not_all_fit_take_the_memory_tier_first() -> None:
+    """A resident layer saves its bytes on every token; the disk tier keeps prompt
+    states: the memory tier goes before a layer does."""
+    plan, kept = _plan(available=1100 * MB)
+    assert 0 < plan.resident_layers < 24
+    assert kept.prompt_cache_bytes == 0 and not kept.prefix_states
+    assert kept.prefetch_depth == 2 and kept.chunk == 512  # not given up: it fit
+    assert any("memory tier" not in r and "disk tier only" in r for r in plan.reasons)
+    assert _planned(plan) <= plan.limit_bytes
+    # Without a disk tier the memory tier is the only prompt cache: it stays.
+    memory_only, kept = _plan(available=1100 * MB, disk_tier=False)
+    assert kept.prompt_cache_bytes == 100 * MB and kept.prefix_states
+    assert memory_only.resident_layers < plan.resident_layers
+
+
+def test_a_tight_limit_gives_up_in_the_stated_order_then_refuses() -> None:
+    steps = []
+    for available in range(800, 100, -10):
+        try:
+            plan, kept = _plan(available=available * MB, limit=(available + 100) * MB)
+        except ModelLoadError as exc:
+            refusal = str(exc)
+            break
+        assert _planned(plan) <= plan.limit_bytes, available
+        given = [r.split("gave up ")[1].split(":")[0] for r in plan.reasons if "gave up" in r]
+        steps.append((given, plan.context_tokens, kept))
+    else:
+        pytest.fail("never refused")
+    # Each tighter limit gives up a prefix of the same list, in the stated order.
+    order = [
+        "the prompt cache's memory tier",
+        "prefetch depth",
+        "prefetch depth",
+        "float copies kept for a layer's chunks",
+        *["the prefill chunk"] * 3,
+    ]
+    longest = max((given for given, _, _ in steps), key=len)
+    assert longest == order
+    assert all(given == order[: len(given)] for given, _, _ in steps)
+    # Then the context shrinks, never below MIN_CONTEXT, before the refusal.
+    contexts = [context for given, context, _ in steps if given == order]
+    assert min(contexts) >= MIN_CONTEXT and min(contexts) < 1024
+    assert steps[-1][2].chunk == 64 and steps[-1][2].prefetch_depth == 0
+    assert "cannot serve this model" in refusal and f"{MIN_CONTEXT}-token context" in refusal
+    assert re.search(r"\d+\.\d\d MB needed", refusal), refusal
+
+
+# -- a real server in a real cgroup ----------------------------------------------------
+
+
+def _peak_private(pid: int, stop: threading.Event, out: list[int]) -> None:
+    while not stop.wait(0.02):
+        try:
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("RssAnon:"):
+                    out.append(int(line.split()[1]) * 1024)
+        except OSError:
+            return
+
+
+def test_a_dense_model_larger_than_its_cgroup_serves_within_a_plan_that_fits(
+    tmp_path_factory, tmp_path
+) -> None:
+    _, prepared = big_llama(tmp_path_factory)
+    manifest = json.loads((prepared / "manifest.json").read_text())
+    assert manifest["total_bytes"] > CAP
+    group = _make_group(CAP)
+    server = None
+    stop, samples = threading.Event(), []
+    try:
+        server = _start_in_group(
+            group,
+            prepared,
+            tmp_path,
+            "--residency",
+            "auto",
+            "--prompt-cache-bytes",
+            "64MB",
+            "--prompt-cache-dir",
+            str(tmp_path / "prompt-cache"),
+            "--stream-keepalive",
+            "0",
+        )
+        assert server.process is not None
+        sampler = threading.Thread(
+            target=_peak_private, args=(server.process.pid, stop, samples), daemon=True
+        )
+        sampler.start()
+        http = server.http(timeout=600)
+        memory = http.get("/memory").json()
+        plan = memory["memory_plan"]
+        assert plan["limit_bytes"] == CAP and plan["limit_source"] == f"cgroup v1 {group}"
+        # Every reserve, with what was in use at load, sums under the limit.
+        planned = sum(
+            plan[key]
+            for key in (
+                "in_use_bytes",
+                "file_reserve_bytes",
+                "runtime_reserve_bytes",
+                "prefill_reserve_bytes",
+                "kv_reserve_bytes",
+                "prompt_cache_bytes",
+                "resident_layer_bytes",
+                "stream_buffer_bytes",
+            )
+        )
+        assert planned <= CAP, plan
+        context = plan["context_tokens"]
+        model_context = json.loads((prepared / "config.json").read_text())[
+            "max_position_embeddings"
+        ]
+        assert MIN_CONTEXT <= context < model_context
+        assert memory["context_length"] == context
+        assert memory["model_context_length"] == model_context
+        card = http.get("/v1/models").json()["data"][0]
+        assert (card["context_length"], card["model_context_length"]) == (context, model_context)
+
+        _context_errors(server, http, card["id"], context)
+
+        # A prompt that fills the memory-bound context, then its next turn; /health
+        # answers at once while the prefill runs (it never waits for the worker).
+        prompt = [20 + i % 280 for i in range(context - 24)]
+        latencies: list[float] = []
+        body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "logit_bias": NO_EOS}
+        done = threading.Event()
+        replies: list = []
+
+        def complete() -> None:
+            replies.append(http.post("/v1/completions", json=body))
+            done.set()
+
+        threading.Thread(target=complete, daemon=True).start()
+        probe = server.http(timeout=30)
+        while not done.wait(0.05):
+            start = time.monotonic()
+            assert probe.get("/health").status_code == 200
+            latencies.append(time.monotonic() - start)
+        assert replies[0].status_code == 200, replies[0].text
+        assert len(latencies) >= 5 and max(latencies) < 0.5, latencies
+        answer = replies[0].json()["choices"][0]["text"]
+        nxt = http.post(
+            "/v1/completions",
+            json={**body, "prompt": [*prompt, *[30] * 8], "max_tokens": 4},
+        )
+        assert nxt.status_code == 200, nxt.text
+        assert nxt.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(prompt)
+        assert answer is not None
+        stop.set()
+        # The plan held: private memory never passed what it set aside for it (the
+        # file-backed part is the kernel's to keep), and the kernel killed nothing.
+        anon_plan = planned - plan["file_reserve_bytes"]
+        assert samples and max(samples) <= anon_plan, (max(samples), plan)
+        assert server.process.poll() is None
+        assert "oom_kill 0" in (group / "memory.oom_control").read_text()
+        assert int((group / "memory.max_usage_in_bytes").read_text()) <= CAP
+        assert http.get("/memory").json()["shedding_events"] == []
+    finally:
+        stop.set()
+        if server is not None:
+            stop_server(server)
+        _remove_group(group)
+
+
+def _context_errors(server, http, model: str, context: int) -> None:
+    """A request whose KV cannot fit gets the context-length error of its dialect."""
+    long_text = "word " * (context + 50)  # the tiny tokenizer: more tokens than that
+    # OpenAI: Chat Completions, Completions, Responses (code context_length_exceeded).
+    sdk = server.client()
+    with pytest.raises(openai.BadRequestError) as chat:
+        sdk.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": long_text}], max_tokens=8
+        )
+    assert chat.value.code == "context_length_exceeded"
+    assert f"maximum context length is {context} tokens" in str(chat.value)
+    reply = http.post("/v1/completions", json={"prompt": [20] * (context - 4), "max_tokens": 8})
+    assert reply.status_code == 400
+    assert reply.json()["error"]["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as responses:
+        sdk.responses.create(model=model, input=long_text)
+    assert responses.value.code == "context_length_exceeded"
+    # Anthropic: its own words, which make Claude Code compact the conversation.
+    claude = anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0)
+    with pytest.raises(anthropic.BadRequestError) as messages:
+        claude.messages.create(
+            model=model, max_tokens=8, messages=[{"role": "user", "content": long_text}]
+        )
+    found = re.search(r"prompt is too long: (\d+) tokens > (\d+) maximum", str(messages.value))
+    assert found and int(found[1]) > context and int(found[2]) == context - 1
+    # One that fits is served.
+    ok = http.post(
+        "/v1/completions",
+        json={"prompt": [20] * 16, "max_tokens": 4, "temperature": 0, "logit_bias": NO_EOS},
+    )
+    assert ok.status_code == 200, ok.text
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_layers_read_around_the_page_cache_give_the_resident_tokens(tmp_path_factory, arch) -> None:
+    """Under the plan streamed layer files are read with O_DIRECT (weights/reader.py):
+    into an aligned start of a longer buffer, the last block read past the file's
+    end. The tokens are the resident model's, and no page of the files is cached."""
+    src = source_model(tmp_path_factory, arch)
+    prepared = prepared_model(tmp_path_factory, arch)
+    model, _ = mlx_lm_load(str(src))
+    ref_tokens, ref_logprobs, _ = greedy(model, PROMPT)
+    loaded = load(EngineConfig(model=str(prepared), resident_layers=0, prefetch_depth=1))
+    streamer = loaded.streamer
+    streamer.direct_reads = True
+    files = [info.file for info in streamer.layers]
+    for file in files:
+        drop_page_cache(file)
+    tokens, logprobs, _ = greedy(loaded.model, PROMPT)
+    assert tokens == ref_tokens
+    assert mx.allclose(logprobs, ref_logprobs, atol=1e-4).item()
+    assert streamer.stats.bytes_read > 0 and streamer.stats.prefetch_hits > 0
+    assert any(file.stat().st_size % 4096 for file in files)  # a last block past the end
+    assert sum(_cached_pages(file) for file in files) == 0
