@@ -72,8 +72,7 @@ class MemoryResponse(BaseModel):
         "less where the memory plan bounds it (the KV that fits)"
     )
     model_context_length: int | None = Field(
-        description="the model's own context where memory bounds context_length; null: it "
-        "does not"
+        description="the model's own context where memory bounds context_length; null: it does not"
     )
     streaming: dict | None = Field(description="streamed-layer counters; null: all resident")
     batch: BatchView
