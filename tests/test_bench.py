@@ -289,8 +289,8 @@ def test_quick_agent_turn_section_prints_its_rows_and_bounds(tmp_path: Path) -> 
 
 
 def test_quick_speculative_section_prints_its_rows(tmp_path: Path) -> None:
-    """The speculative section: the four rows of issue 44, tokens/s off and on, bytes
-    read per token, acceptance, and greedy identity (always "yes")."""
+    """The speculative section: the rows of issues 44 and 55, tokens/s off and on,
+    bytes read per token, acceptance, and greedy identity (always "yes")."""
     cmd = [sys.executable, "-m", "flashserve.server.cli", "bench", "--", "--quick"]
     cmd += ["--sections", "speculative", "--work-dir", str(tmp_path)]
     proc = subprocess.run(
@@ -300,7 +300,14 @@ def test_quick_speculative_section_prints_its_rows(tmp_path: Path) -> None:
     tables = _tables(proc.stdout)
     spec = [rows for t, rows in tables.items() if t.startswith("Speculative decoding")]
     assert len(spec) == 1, proc.stdout
-    assert [r["row"] for r in spec[0]] == ["edit-0%", "edit-100%", "rejected-0%", "moe-25%"]
+    assert [r["row"] for r in spec[0]] == [
+        "edit-0%",
+        "edit-100%",
+        "rejected-0%",
+        "prose-100%",
+        "4-streams-100%",
+        "moe-25%",
+    ]
     for row in spec[0]:
         assert _number(row["off tok/s"]) > 0 and _number(row["on tok/s"]) > 0, row
         assert row["same tokens"] == "yes", row

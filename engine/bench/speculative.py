@@ -1,15 +1,18 @@
 """The `speculative` section of `flashserve bench`: several tokens per pass over the weights.
 
-Rows (issue 44), each decoded by one engine, greedy, with speculation off
-(the request's `speculative: false`) and on (prompt lookup) in turn, twice;
-the better run of each is reported:
+Rows (issues 44 and 55), each decoded by one engine, greedy, with speculation
+off (the request's `speculative: false`) and on (prompt lookup) in turn,
+twice; the better run of each is reported:
 
 * an agent-style edit on the default model (SmolLM2-135M GGUF, prepared):
   reproduce a ~300-token code block with one change, at 0% residency (every
   layer read from disk each pass, page cache dropped after each read) and at
   100% residency;
-* a prompt whose drafts are mostly rejected (free prose), at 0% residency:
-  the adaptive length should stop speculating where it does not pay;
+* prose (a short story: drafts mostly rejected or not found) at 0% and at
+  100% residency: the batch should stop drafting where it does not pay;
+* four concurrent prose streams at 100% residency (aggregate tokens/s): a
+  pass runs every sequence of the batch, so it costs more per sequence than
+  one stream's, and drafting must turn off where it does not pay;
 * an MoE (the `experts` section's random qwen3_moe) with its expert cache at
   25% of all experts.
 
@@ -81,17 +84,31 @@ EDIT = (
     "Reply with the complete file in one code block."
 )
 PROSE = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+STREAMS = [  # four concurrent chat users, none of whom asks for text it was given
+    PROSE,
+    "Explain how a refrigerator keeps food cold, step by step.",
+    "Write a poem about the sea in autumn.",
+    "What were the main causes of the French Revolution?",
+]
 EDIT_TOKENS, QUICK_TOKENS = 320, 64
 MOE_CACHE_FRACTION = 0.25
 ROUNDS = 2  # off, on, off, on: the best of each
-TARGETS = {"edit-0%": 2.0, "edit-100%": 1.3, "rejected-0%": 0.95, "moe-25%": 1.0}
+TARGETS = {
+    "edit-0%": 2.0,
+    "edit-100%": 1.3,
+    "rejected-0%": 0.97,
+    "prose-100%": 0.97,
+    "4-streams-100%": 0.97,
+    "moe-25%": 1.0,
+}
 
 
 @dataclass
 class Run:
-    tokens: list[int]
-    seconds: float  # first token to last
-    bytes_read: int  # weights read from disk, whole request
+    tokens: list[list[int]]  # each stream's
+    seconds: float  # the window every stream decodes in (one stream: first token to last)
+    counted: int  # tokens inside the window, all streams
+    bytes_read: int  # weights read from disk, whole run
     drafted: int = 0
     accepted: int = 0
     passes: int = 0
@@ -100,7 +117,7 @@ class Run:
 
     @property
     def tokens_per_s(self) -> float:
-        return (len(self.tokens) - 1) / self.seconds if self.seconds > 0 else 0.0
+        return self.counted / self.seconds if self.seconds > 0 else 0.0
 
 
 @dataclass
@@ -131,18 +148,18 @@ def default_prepared(work_dir: Path) -> Path:
     return prepared
 
 
-def generate(engine: Any, prompt: list[int], tokens: int, speculative: bool) -> Run:
-    """One greedy request; its tokens, decode time and the bytes and drafts it cost."""
+def generate(engine: Any, prompts: list[list[int]], tokens: int, speculative: bool) -> Run:
+    """Greedy requests, one per prompt, all at once; their tokens, the aggregate decode
+    rate while every one decodes, and the bytes and drafts the run cost."""
     spec = engine.stats.speculative
     before = (spec.drafted_tokens, spec.accepted_tokens, spec.passes)
     before += (spec.emitted_tokens, spec.sequence_passes)
     read = engine.weight_bytes_read()
-    request = GenerationRequest(
-        prompt, tokens, SamplingParams(temperature=0.0), speculative=speculative
-    )
+    params = SamplingParams(temperature=0.0)
 
-    async def go() -> tuple[list[int], list[float]]:
+    async def one(prompt: list[int]) -> tuple[list[int], list[float]]:
         out, times = [], []
+        request = GenerationRequest(prompt, tokens, params, speculative=speculative)
         async for event in engine.submit(request):
             if isinstance(event, ErrorEvent):
                 raise RuntimeError(f"bench request failed: {event.message}")
@@ -151,42 +168,58 @@ def generate(engine: Any, prompt: list[int], tokens: int, speculative: bool) -> 
                 times.append(time.perf_counter())
         return out, times
 
-    out, times = asyncio.run(go())
+    async def go() -> list[tuple[list[int], list[float]]]:
+        return await asyncio.gather(*(one(p) for p in prompts))
+
+    streams = asyncio.run(go())
     after = (spec.drafted_tokens, spec.accepted_tokens, spec.passes)
     after += (spec.emitted_tokens, spec.sequence_passes)
     delta = [a - b for a, b in zip(after, before, strict=True)]
+    # From the last stream's first token to the first stream's last: every stream
+    # decodes in it (one stream: its first token to its last).
+    start = max(times[0] for _, times in streams)
+    end = min(times[-1] for _, times in streams)
+    counted = sum(1 for _, times in streams for t in times if start < t <= end)
     return Run(
-        out,
-        times[-1] - times[0] if len(times) > 1 else 0.0,
+        [out for out, _ in streams],
+        max(end - start, 0.0),
+        counted,
         engine.weight_bytes_read() - read,
         *delta,
     )
 
 
-def measure(name: str, config: EngineConfig, text: str, tokens: int, chat: bool) -> Row:
+def measure(name: str, config: EngineConfig, texts: list[str], tokens: int, chat: bool) -> Row:
     """Off and on, in turn, ROUNDS times, after a warm-up request (kernels, expert
-    cache, allocator)."""
+    cache, allocator); `texts`: one prompt per concurrent stream."""
     engine = start_engine(config)
     try:
         assert engine.loaded is not None
         tokenizer = engine.loaded.tokenizer
         if chat:
-            messages = [{"role": "user", "content": text}]
-            prompt = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+            prompts = [
+                list(
+                    tokenizer.apply_chat_template(
+                        [{"role": "user", "content": text}], add_generation_prompt=True
+                    )
+                )
+                for text in texts
+            ]
         else:
-            prompt = tokenizer.encode(text)
-        generate(engine, prompt, min(tokens, 16), False)
+            prompts = [tokenizer.encode(text) for text in texts]
+        generate(engine, prompts, min(tokens, 16), False)
         offs, ons = [], []
         for _ in range(ROUNDS):
-            offs.append(generate(engine, prompt, tokens, False))
-            ons.append(generate(engine, prompt, tokens, True))
+            offs.append(generate(engine, prompts, tokens, False))
+            ons.append(generate(engine, prompts, tokens, True))
     finally:
         engine.shutdown()
     # The best round of each: on a shared machine noise only ever slows a run down.
     off = max(offs, key=lambda r: r.tokens_per_s)
     on = max(ons, key=lambda r: r.tokens_per_s)
     identical = all(r.tokens == offs[0].tokens for r in offs + ons)
-    n_off, n_on = max(len(off.tokens), 1), max(len(on.tokens), 1)
+    n_off = max(sum(map(len, off.tokens)), 1)
+    n_on = max(sum(map(len, on.tokens)), 1)
     return Row(
         name=name,
         model=Path(config.model or "").parent.name,
@@ -198,7 +231,7 @@ def measure(name: str, config: EngineConfig, text: str, tokens: int, chat: bool)
         on_bytes_per_token=on.bytes_read / n_on,
         acceptance=on.accepted / on.drafted if on.drafted else 0.0,
         tokens_per_pass=on.emitted / on.sequence_passes if on.sequence_passes else 1.0,
-        tokens=len(on.tokens),
+        tokens=n_on,
         identical=identical,
     )
 
@@ -211,36 +244,43 @@ def run(work_dir: Path, *, quick: bool = False) -> list[dict]:
     base = {"speculative": "prompt-lookup", "speculative_max_draft": 8}
     moe = bench_moe_model(work_dir, quick)
     slots = _expert_count(moe)
+    default_model = str(default)
     rows = [
         measure(
             "edit-0%",
-            EngineConfig(model=str(default), **base, **streamed, extra=cold),
-            EDIT,
+            EngineConfig(model=default_model, **base, **streamed, extra=cold),
+            [EDIT],
             tokens,
             chat=True,
         ),
-        measure("edit-100%", EngineConfig(model=str(default), **base), EDIT, tokens, chat=True),
+        measure("edit-100%", EngineConfig(model=default_model, **base), [EDIT], tokens, chat=True),
         measure(
             "rejected-0%",
-            EngineConfig(model=str(default), **base, **streamed, extra=cold),
-            PROSE,
+            EngineConfig(model=default_model, **base, **streamed, extra=cold),
+            [PROSE],
             tokens,
             chat=True,
+        ),
+        measure(
+            "prose-100%", EngineConfig(model=default_model, **base), [PROSE], tokens, chat=True
+        ),
+        measure(
+            "4-streams-100%", EngineConfig(model=default_model, **base), STREAMS, tokens, chat=True
         ),
         measure(
             "moe-25%",
             EngineConfig(
                 model=str(moe), **base, expert_cache=str(max(1, int(slots * MOE_CACHE_FRACTION)))
             ),
-            EDIT,
+            [EDIT],
             tokens,
             chat=False,
         ),
     ]
     print_table(
         f"Speculative decoding (prompt lookup, at most 8 drafted), greedy, up to {tokens} "
-        "tokens; off / on from one engine, best of 2 rounds; bytes = weights read from disk "
-        "per token",
+        "tokens per stream; off / on from one engine, best of 2 rounds; tok/s: all streams "
+        "together while every one decodes; bytes = weights read from disk per token",
         [
             "row",
             "off tok/s",

@@ -12,8 +12,9 @@ drafted tokens in one pass turns one read into up to k+1 tokens.
   greedy, speculative sampling (accept with p(draft), else resample from the
   residual) when sampled, so the output distribution is unchanged.
 * rollback.py: the KV cache taken back past rejected tokens, per sequence.
-* adaptive.py: each request's draft length from its measured acceptance and
-  the measured cost of a k-token pass; the counters /metrics serves.
+* adaptive.py: the batch's draft width each step (none where drafting does
+  not pay the batch), from measured step times and each sequence's measured
+  acceptance; the counters /metrics serves.
 * batch.py: mlx-lm's GenerationBatch with a speculative `next()`.
 * mlx_lm_internals.py: the private fields of mlx-lm the others use, in one
   place, and the check that the installed mlx-lm still has them.

@@ -1,22 +1,41 @@
-"""Each request's draft length, from what speculation measurably gains it.
+"""Whether a batch drafts this step, and how far: from what drafting measurably gains it.
 
-A pass over k drafted tokens yields on average E(k) = (1 - a^(k+1)) / (1 - a)
-tokens for a per-token acceptance a, and costs c(k) plain passes. Both are
-measured: a per request (a running mean of accepted / drafted), c(k) for the
-model as the running mean of a (k+1)-token pass's time over a plain pass's.
-When weights stream from disk a pass is I/O-bound and c(k) stays near 1; on
-a resident model on the CPU, or an MoE whose drafted tokens route to more
-experts than the cache holds, it grows, and not linearly (kernels change
-with the row count). A length not measured yet is estimated from the longest
-shorter one measured plus PRIOR_SLOPE per token, so it gets tried once and
-then judged on its measured cost. The draft length is the k that maximises
-E(k) / c(k); when none beats 1 (k = 0), the request stops speculating for a
-while, and probes again after a pause that doubles each time the probe does
-not pay.
+A verification pass runs every sequence of the batch, padded to the longest
+draft, so its cost is the batch's: T(B, k), the time of a step of B sequences
+with k drafted tokens, against T(B, 0) for a plain step, which gives each
+sequence one token. A sequence whose draft source finds a draft (probability
+f) gets E(a, k) = (1 - a^(k+1)) / (1 - a) tokens from the pass, for a
+per-token acceptance a; one without gets one token, as from a plain step.
+Each step the batch takes the k with the most expected tokens per second over
+all its sequences, and drafts only when that beats plain steps by MIN_GAIN;
+otherwise the step is mlx-lm's plain one (pipelined: nothing waits for the
+pending tokens), so drafting is off for a batch where it does not pay, even
+when one of its sequences would gain alone.
+
+Everything is measured, per batch size:
+
+* T(B, k): the median of the last SAMPLES step times of each width run. A
+  width not run yet at this size is estimated from another size's measured
+  ratio to a plain step, else from the longest shorter width run plus
+  PRIOR_SLOPE plain steps per token; widths are explored upwards, doubling,
+  so a costly long pass is met once.
+* f and a per sequence, from its passes; and, for prompt lookup, from shadow
+  drafts while its batch does not draft: the draft lookup would have made is
+  compared with the tokens the model then produced (greedy: what a pass would
+  have accepted; sampled: a match is as likely as an acceptance), so a batch
+  starts drafting when its output begins to repeat, at no cost to plain steps.
+
+Estimates go stale (a cost measured while the machine was busy, a draft
+model's acceptance, which has no shadow): a batch that does not draft tries a
+pass again after FIRST_PAUSE steps, then after twice as many each time it
+still does not pay (at most MAX_PAUSE).
 """
 
 from __future__ import annotations
 
+import math
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,13 +44,15 @@ import numpy as np
 from flashserve.engine.speculative.accept import Sampling
 from flashserve.engine.speculative.lookup import NgramIndex
 
-SMOOTHING = 0.3  # weight of the newest pass in the running means
-PRIOR_ACCEPTANCE = 0.6  # a new request's assumed acceptance: speculate from the start
-PRIOR_SLOPE = 0.05  # the assumed extra cost of one more drafted token, before measured
-FIRST_PAUSE = 8  # passes without speculation after it stopped paying
+SMOOTHING = 0.3  # weight of the newest observation in a sequence's running estimates
+PRIOR_ACCEPTANCE = 0.6  # a new sequence's assumed per-token acceptance
+PRIOR_WEIGHT = 2.0  # ... worth this many drafted tokens of evidence
+PRIOR_SLOPE = 0.05  # the assumed extra cost of one more drafted token, in plain steps
+SAMPLES = 5  # step times kept per (batch size, width); one slowed by other work is outvoted
+FIRST_PAUSE = 8  # plain steps before a batch whose drafting does not pay tries again
 MAX_PAUSE = 256
-# A draft length must promise this many times a plain pass's tokens per second:
-# the margin covers what the estimate leaves out (drafting, the accept loop).
+# Expected tokens per second must beat plain steps' by this factor: the margin
+# covers what the estimate leaves out (waiting for the pending tokens, noise).
 MIN_GAIN = 1.1
 
 
@@ -44,7 +65,7 @@ class SpeculativeStats:
     accepted_tokens: int = 0  # of which accepted
     emitted_tokens: int = 0  # tokens out of verification passes, per sequence summed
     sequence_passes: int = 0  # (sequence, pass) pairs: emitted / this = tokens per pass
-    paused: int = 0  # times a request stopped speculating because it did not pay
+    paused: int = 0  # times a batch stopped drafting because it did not pay
     recompute_passes: int = 0  # hybrid models: passes re-running kept tokens after a rejection
     acceptance_rate: float = 0.0  # accepted / drafted, since start
     tokens_per_pass: float = 0.0  # emitted / sequence_passes: tokens a sequence gets per pass
@@ -62,104 +83,162 @@ def expected_tokens(acceptance: float, k: int) -> float:
     return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
 
 
-def best_length(acceptance: float, costs: list[float]) -> int:
-    """The draft length with the most tokens per unit of pass time (costs[k]: a pass
-    over k drafts in plain passes, costs[0] = 1); 0: do not speculate."""
-    gains = [expected_tokens(acceptance, k) / max(c, 1e-9) for k, c in enumerate(costs)]
-    best = int(np.argmax(gains))
-    return best if gains[best] > MIN_GAIN else 0
-
-
 @dataclass
 class Sequence:
-    """One sequence's speculation: its drafts, its acceptance, its pauses."""
+    """One sequence's speculation: its draft source's state and what it gains."""
 
-    max_draft: int
     sampling: Sampling | None = None  # None: greedy
+    shadowed: bool = False  # estimates also from shadow drafts (prompt lookup alone)
     index: NgramIndex = field(default_factory=NgramIndex)
-    acceptance: float = PRIOR_ACCEPTANCE
-    pause: int = 0  # passes left without speculation
-    next_pause: int = FIRST_PAUSE
+    found: float = 1.0  # running mean: its draft source found a draft when asked
+    accepted: float = PRIOR_ACCEPTANCE * PRIOR_WEIGHT  # decayed counts of accepted tokens
+    rejected: float = (1 - PRIOR_ACCEPTANCE) * PRIOR_WEIGHT  # ... and of rejections
     rng: np.random.Generator | None = None
     draft_state: Any = None  # the draft model's cache for this sequence (draft.py)
+    shadow: tuple[int, list[int]] | None = None  # (position it drafts for, draft)
 
     def __post_init__(self) -> None:
         if self.sampling is not None:
             self.rng = np.random.default_rng(self.sampling.seed)
 
-    def length(self, costs: list[float], room: int) -> int:
-        """This pass's draft length (0: none); room: tokens the request may still emit
-        after the pending one."""
-        if self.pause > 0:
-            self.pause -= 1
-            return 0
-        k = min(best_length(self.acceptance, costs[: self.max_draft + 1]), room)
-        if k == 0 and room > 0:
-            # A probe after a pause: one short draft, to see if it pays now.
-            k = min(2, room, self.max_draft)
-        return k
+    @property
+    def acceptance(self) -> float:
+        """Per-token acceptance: accepted tokens over accepted tokens and rejections
+        (a draft stops at its first rejection)."""
+        return self.accepted / (self.accepted + self.rejected)
 
-    def update(self, drafted: int, accepted: int, costs: list[float]) -> bool:
-        """Record a pass; True when the request stops speculating for a while."""
+    def record_lookup(self, found: bool) -> None:
+        self.found += SMOOTHING * (float(found) - self.found)
+
+    def record_draft(self, drafted: int, accepted: int) -> None:
+        """A draft of `drafted` tokens whose first `accepted` were right."""
         if drafted == 0:
-            return False
-        self.acceptance += SMOOTHING * (accepted / drafted - self.acceptance)
-        if best_length(self.acceptance, costs[: self.max_draft + 1]) > 0:
-            self.next_pause = FIRST_PAUSE
-            return False
-        self.pause = self.next_pause
-        self.next_pause = min(2 * self.next_pause, MAX_PAUSE)
-        return True
+            return
+        self.accepted = (1 - SMOOTHING) * self.accepted + accepted
+        self.rejected = (1 - SMOOTHING) * self.rejected + float(accepted < drafted)
+
+    def observe(self, context: list[int]) -> None:
+        """Judge the outstanding shadow draft against `context` (the tokens run so far)
+        once the tokens it guessed are known."""
+        if self.shadow is None:
+            return
+        start, draft = self.shadow
+        produced = context[start : start + len(draft)]
+        right = 0
+        while right < len(produced) and produced[right] == draft[right]:
+            right += 1
+        if right == len(produced) < len(draft):
+            return  # every token known so far is right; the rest are not out yet
+        self.record_draft(len(draft), right)
+        self.shadow = None
+
+    def start_shadow(self, context: list[int], k: int) -> None:
+        """During a plain step: the draft a pass after `context` (the tokens run so far)
+        would have verified, kept to be judged by observe()."""
+        if self.shadow is not None:
+            return
+        draft = self.index.draft(context, k)
+        self.record_lookup(bool(draft))
+        if draft:
+            self.shadow = (len(context), draft)
 
 
 class CostModel:
-    """Step times, plain and speculative, as each draft length's cost in plain steps.
+    """Step times per batch size and draft width, and the per-step plan.
 
-    A step's time is from its start to the next step's start: the worker's
-    handling of the tokens it emitted counts (more tokens, more handling), and
-    mlx-lm's pipelined plain step is charged what it really takes. An interval
-    across a change of the batch (a request joining, leaving, or the worker
-    waiting for one) is not a step's time and is dropped.
+    A step's time runs from its start to the next step's start; a step that
+    waits for the pending tokens (to draft after them) starts after that wait,
+    which is the previous step's computation. A verification pass is over when
+    its step returns, so it is recorded before the next step is planned. The
+    worker's handling of the tokens a step emitted counts in it (more tokens,
+    more handling). An interval across a change of the batch (a request
+    joining, leaving, or the worker waiting for one) is not a step's time and
+    is dropped.
     """
 
     def __init__(self, max_draft: int) -> None:
-        self.plain_s: float | None = None  # running mean of a plain step's time
-        self.measured: dict[int, float] = {}  # drafts -> running mean of cost
-        self.costs: list[float] = []  # drafts k = 0.. -> cost in plain steps (inf: not yet)
-        self._open: tuple[float, int, tuple[int, ...]] | None = None  # start, drafts, uids
-        self._refresh(max_draft)
+        self.max_draft = max_draft
+        self._samples: dict[tuple[int, int], deque[float]] = {}
+        self._open: tuple[float, int, tuple[int, ...]] | None = None  # start, width, uids
+        self._paying = True  # the last plan found a width that pays
+        self._pause = 0  # plain steps left before a batch that does not pay tries again
+        self._next_pause = FIRST_PAUSE
+        self.stops = 0  # times drafting stopped paying (SpeculativeStats.paused)
 
-    def step(self, now: float, drafts: int, uids: tuple[int, ...]) -> None:
-        """A step starts now (with `drafts` drafted tokens at most): the previous ends."""
+    def begin(self, now: float, width: int, uids: tuple[int, ...]) -> None:
+        """A step of `width` drafted tokens (0: plain) starts now; the open one ends."""
+        self.end(now, uids)
+        self._open = (now, width, uids)
+
+    def end(self, now: float, uids: tuple[int, ...]) -> None:
+        """The open step ends now; its time is recorded if the batch is the same."""
         if self._open is not None:
-            start, previous, batch = self._open
+            start, width, batch = self._open
             if batch == uids:
-                self._record(now - start, previous)
-        self._open = (now, drafts, uids)
+                key = (len(uids), width)
+                self._samples.setdefault(key, deque(maxlen=SAMPLES)).append(now - start)
+        self._open = None
 
-    def _record(self, seconds: float, drafts: int) -> None:
-        if drafts == 0:
-            if self.plain_s is None:
-                self.plain_s = seconds
-            else:
-                self.plain_s += SMOOTHING * (seconds - self.plain_s)
-            return
-        if self.plain_s is None:
-            return
-        cost = seconds / self.plain_s
-        old = self.measured.get(drafts)
-        self.measured[drafts] = cost if old is None else old + SMOOTHING * (cost - old)
-        self._refresh(len(self.costs) - 1)
+    @property
+    def drafting(self) -> bool:
+        """Whether the open step is a verification pass (it ran to its end: nothing of
+        it is left in flight when the next step starts)."""
+        return self._open is not None and self._open[1] > 0
 
-    def _refresh(self, max_draft: int) -> None:
-        # Lengths are explored upwards, doubling: one not measured is a candidate
-        # only up to twice the longest measured (2 at first), so a costly long
-        # pass is met once, after the cheaper ones have shown what they gain.
-        reach = max(2, 2 * max(self.measured, default=1))
-        costs, last = [1.0], 1.0
-        for k in range(1, max_draft + 1):
-            # Never below the shorter draft's: a longer pass does at least its work.
-            guess = last + PRIOR_SLOPE if k <= reach else float("inf")
-            last = max(self.measured.get(k, guess), last)
-            costs.append(last)
-        self.costs = costs
+    def estimate(self, batch: int, width: int) -> float:
+        """A step's time, measured or estimated; inf for a width not to be tried yet."""
+        plain = self._median(batch, 0)
+        run = {w: self._median(b, w) for b, w in self._samples if b == batch and w > 0}
+        floor = max([plain, *(s for w, s in run.items() if w < width)])
+        if width in run:  # never below a shorter pass's: a longer one does its work too
+            return max(run[width], floor)
+        if width > max(2, 2 * max(run, default=1)):
+            return math.inf
+        for _, b in sorted((abs(b - batch), b) for b, w in self._samples if w == width):
+            if (b, 0) in self._samples:  # that batch size's measured ratio to a plain step
+                return max(plain * self._median(b, width) / self._median(b, 0), floor)
+        below = max((w for w in run if w < width), default=0)
+        base = run.get(below, plain)
+        return max(base + PRIOR_SLOPE * plain * (width - below), floor)
+
+    def _median(self, batch: int, width: int) -> float:
+        return statistics.median(self._samples[batch, width])
+
+    def plan(self, batch: int, candidates: list[tuple[float, float, int]]) -> int:
+        """This step's draft width (0: a plain step) for a batch of `batch` sequences, of
+        which `candidates` may draft: (found, acceptance, tokens of room after the
+        pending one) each."""
+        if (batch, 0) not in self._samples or not candidates:
+            return 0  # a plain step first: the yardstick
+        plain = self._median(batch, 0)
+        run = {w for b, w in self._samples if b == batch and w > 0}
+        widths = sorted({1, 2, 4, 8, 16, 32, 64, *run})
+        best, best_rate = 0, 0.0
+        retry, retry_rate = 1, 0.0  # the best width run already: what a try re-measures
+        for width in (w for w in widths if 0 < w <= self.max_draft):
+            seconds = self.estimate(batch, width)
+            if seconds == math.inf:
+                break
+            gain, none = 0.0, 1.0
+            for found, acceptance, room in candidates:
+                k = min(width, room)
+                gain += found * (expected_tokens(acceptance, k) - 1.0)
+                none *= 1.0 - found
+            rate = (batch + gain) / ((1.0 - none) * seconds + none * plain)
+            if rate > best_rate:
+                best, best_rate = width, rate
+            if width in run and rate > retry_rate:
+                retry, retry_rate = width, rate
+        if best_rate > MIN_GAIN * batch / plain:
+            self._paying, self._next_pause = True, FIRST_PAUSE
+            return best
+        if self._paying:  # it stopped paying: plain steps, then a try
+            self._paying, self._pause = False, self._next_pause
+            self.stops += 1
+        if self._pause > 0:
+            self._pause -= 1
+            return 0
+        # A try at the most promising width already run: it measures that cost again
+        # (exploring a longer one waits until the estimates say it pays).
+        self._pause = self._next_pause = min(2 * self._next_pause, MAX_PAUSE)
+        return retry

@@ -20,11 +20,13 @@ cost).
 Between steps the state is what a plain step leaves, so plain and
 speculative steps mix freely.
 
-A step speculates only when no sequence has logits processors (penalties,
-grammars, logit_bias: they see one position at a time and a grammar's
-state cannot be taken back yet) and every layer's cache can be rolled back
-(or snapshotted);
-otherwise, and when no sequence has a draft, it is mlx-lm's plain step.
+A step speculates only when every sequence's logits processors can run over
+a draft position by position (penalties, logit_bias, a grammar that rolls
+back) and every layer's cache can be rolled back (or snapshotted), when the
+batch's plan (adaptive.py) finds that drafting pays the batch, and when some
+sequence has a draft; otherwise it is mlx-lm's plain step. A sequence whose
+request opted out never drafts; in a pass it takes its token from its own
+sampler, as in a plain step.
 """
 
 from __future__ import annotations
@@ -123,10 +125,31 @@ class Speculation:
             live = internals.live_uids(self._batch, list(self.sequences))
             self.sequences = {u: s for u, s in self.sequences.items() if u in live}
         if self.enabled and wanted:
-            sequence = Sequence(self.config.max_draft, sampling)
+            sequence = Sequence(sampling, shadowed=self.config.mode == "prompt-lookup")
             if self.drafter is not None:
                 sequence.draft_state = self.drafter.new_state()
             self.sequences[uid] = sequence
+
+    def plan(
+        self, sequences: list[Sequence | None], rooms: list[int], contexts: list[list[int]]
+    ) -> int:
+        """This step's draft width for the batch (0: a plain step), from the cost model;
+        the sequences' shadow drafts judged, and new ones made for a plain step."""
+        asked = [
+            (seq, room, context)
+            for seq, room, context in zip(sequences, rooms, contexts, strict=True)
+            if seq is not None and room > 0
+        ]
+        for seq, _, context in asked:
+            if seq.shadowed:
+                seq.observe(context)
+        width = self.cost.plan(len(sequences), [(s.found, s.acceptance, r) for s, r, _ in asked])
+        if width == 0:
+            for seq, _, context in asked:
+                if seq.shadowed:
+                    seq.start_shadow(context, self.config.max_draft)
+        self.stats.paused = self.cost.stops
+        return width
 
     def draft(self, sequence: Sequence, context: list[int], k: int) -> list[int]:
         """Sequence's draft of at most k tokens: prompt lookup, else the draft model."""
@@ -139,6 +162,7 @@ class Speculation:
 
 class SpeculativeBatch(internals.GenerationBatchState):
     speculation: Speculation
+    _started = 0.0  # when this step's own work began (CostModel.begin)
 
     def filter(self, keep: list[int]) -> None:
         kept = {self.uids[i] for i in keep}
@@ -149,10 +173,12 @@ class SpeculativeBatch(internals.GenerationBatchState):
     def next(self) -> list[GenerationBatch.Response]:
         if not self.uids:
             return []
-        start = time.perf_counter()
+        cost, uids = self.speculation.cost, tuple(self.uids)
+        self._started = time.perf_counter()
+        if cost.drafting:  # the plan sees the last pass's time
+            cost.end(self._started, uids)
         drafts = self._drafts()
-        width = max((len(d) for d in drafts), default=0) if drafts else 0
-        self.speculation.cost.step(start, width, tuple(self.uids))
+        cost.begin(self._started, max(map(len, drafts)) if drafts else 0, uids)
         return super().next() if drafts is None else self._verify(drafts)
 
     def _drafts(self) -> list[list[int]] | None:
@@ -164,20 +190,26 @@ class SpeculativeBatch(internals.GenerationBatchState):
             return None
         if not (can_roll_back(self.prompt_cache) or can_snapshot(self.prompt_cache)):
             return None
-        costs = self.speculation.cost.costs
         # The pending token is emitted by this step too: room counts after it.
-        lengths = [
-            seq.length(costs, self.max_tokens[i] - self.emitted_counts[i] - 1) if seq else 0
-            for i, seq in enumerate(sequences)
-        ]
-        if not any(lengths):
+        rooms = [m - n - 1 for m, n in zip(self.max_tokens, self.emitted_counts, strict=True)]
+        width = self.speculation.plan(sequences, rooms, self.tokens)
+        if not width:
             return None  # no wait for the pending tokens: mlx-lm's step stays pipelined
         mx.eval(self.pending)
+        # The wait was the previous step's computation: this step starts after it.
+        self._started = time.perf_counter()
         pending = self.pending.tolist()
-        drafts = [
-            self.speculation.draft(seq, [*self.tokens[i], pending[i]], k) if seq and k else []
-            for i, (seq, k) in enumerate(zip(sequences, lengths, strict=True))
-        ]
+        drafts = []
+        for i, seq in enumerate(sequences):
+            k = min(width, rooms[i])
+            draft = (
+                self.speculation.draft(seq, [*self.tokens[i], pending[i]], k)
+                if seq and k > 0
+                else []
+            )
+            if seq is not None and k > 0:
+                seq.record_lookup(bool(draft))
+            drafts.append(draft)
         return drafts if any(drafts) else None
 
     def _verify(self, drafts: list[list[int]]) -> list[GenerationBatch.Response]:
@@ -324,8 +356,8 @@ class SpeculativeBatch(internals.GenerationBatchState):
         stats = self.speculation.stats
         stats.drafted_tokens += drafted
         stats.accepted_tokens += accepted
-        if seq is not None and seq.update(drafted, accepted, self.speculation.cost.costs):
-            stats.paused += 1
+        if seq is not None:
+            seq.record_draft(drafted, accepted)
 
     def _respond(
         self, emitted: list[list[int]], rows: list[list[mx.array]]

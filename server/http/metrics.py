@@ -195,7 +195,7 @@ SPECULATIVE_COUNTERS = {
     "accepted_tokens": "Drafted tokens accepted",
     "emitted_tokens": "Tokens emitted by verification passes, all sequences",
     "sequence_passes": "Sequences run by verification passes, summed over passes",
-    "paused": "Times a request stopped speculating because it did not pay",
+    "paused": "Times a batch stopped drafting because it did not pay",
     "recompute_passes": "Hybrid models: passes re-running kept tokens after a rejection",
 }
 
