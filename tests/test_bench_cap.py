@@ -1,9 +1,10 @@
-"""`flashserve bench --sections cap --quick`: the quick MoE GGUF written and prepared,
-flashserve run in a real cgroup v1 group with --expert-cache auto, its row and
-its targets printed (Linux, root)."""
+"""`flashserve bench --sections cap --quick`: the quick MoE (or dense) GGUF written and
+prepared, flashserve run in a real cgroup v1 group with --expert-cache auto (or
+--residency auto), its rows and its targets printed (Linux, root)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -47,3 +48,42 @@ def test_quick_cap_section_serves_in_a_cgroup_and_prints_its_row(tmp_path: Path)
     assert _number(row["next reused"]) > _number(row["prompt tokens"])
     assert "next-turn TTFT / TTFT" in proc.stdout.split("Cap targets")[1]
     assert (tmp_path / "cap-moe-quick" / "cap-moe-quick.gguf").exists()
+
+
+def test_quick_dense_cap_section_runs_uncapped_and_capped_and_prints_its_targets(
+    tmp_path: Path,
+) -> None:
+    """`--cap-model dense`: the quick dense GGUF, flashserve with --residency auto with no
+    limit (its own reference decode) and under a cap given as a fraction of the
+    prepared model; rows and the dense targets printed."""
+    if sys.platform != "linux" or os.geteuid() != 0:
+        pytest.skip("the cap section creates cgroups: Linux, root")
+    if not Path("/sys/fs/cgroup/memory/memory.limit_in_bytes").exists():
+        pytest.skip("no cgroup v1 memory controller")
+    cmd = [sys.executable, "-m", "flashserve.server.cli", "bench", "--", "--quick"]
+    cmd += ["--sections", "cap", "--cap-model", "dense", "--cap", "25x", "--rounds", "1"]
+    cmd += ["--tokens", "8", "--work-dir", str(tmp_path)]
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=_clean_env(), capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    tables = _tables(proc.stdout)
+    (rows,) = [rows for title, rows in tables.items() if title.startswith("Cap: cap-dense-quick")]
+    assert [(r["server"], r["cap"]) for r in rows] == [
+        ("flashserve", "none"),
+        ("flashserve", "25.00x"),
+    ]
+    for row in rows:
+        assert row["OOM"] == "no" and _number(row["decode tok/s"]) > 0, row
+        assert _number(row["next reused"]) > _number(row["prompt tokens"])
+    capped = rows[1]
+    assert _number(capped["cgroup peak MB"]) <= 25 * _model_mb(tmp_path)
+    # Streamed layers read from disk per token: the I/O bound is theirs.
+    assert _number(capped["MB read/token"]) > 0 and _number(capped["I/O bound tok/s"]) > 0
+    assert "decode / uncapped" in proc.stdout.split("Cap targets, dense")[1]
+    assert (tmp_path / "cap-dense-quick" / "cap-dense-quick.gguf").exists()
+
+
+def _model_mb(work_dir: Path) -> float:
+    manifest = work_dir / "cap-dense-quick" / "prepared" / "manifest.json"
+    return json.loads(manifest.read_text())["total_bytes"] / 1e6

@@ -49,8 +49,8 @@ def test_an_entry_deleted_between_lookup_and_load_is_still_served(
     assert usable == len(PROMPT)
     read = prompt_files.read
 
-    def read_then_lose_the_race(path: Path, fingerprint: str):
-        out = read(path, fingerprint)
+    def read_then_lose_the_race(path: Path, fingerprint: str, *args: object):
+        out = read(path, fingerprint, *args)
         # Another conversation's state lands now; this entry is evicted for it.
         other = [9, *PROMPT[1:]]
         tier.put(prompt_files.prepare(other, _state(model, other)))

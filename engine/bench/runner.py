@@ -11,8 +11,9 @@ Sections (all but cap by default):
            and decode at 0% residency against its I/O bound
   distributed  one model on 1 rank and split over 2 local ranks: TTFT, tokens/s,
            the per-step overhead
-  cap      an MoE larger than memory in a cgroup-capped group, against
-           llama-server --no-repack (Linux, root; not in the default list)
+  cap      a model larger than memory in cgroup-capped groups (--cap-model: an
+           MoE, or a dense model at several caps), against llama-server
+           --no-repack (Linux, root; not in the default list)
   decode   the default model's decode tokens/s at 1, 4, 8 streams: flashserve's
            CPU quantized matmul vs MLX's kernel (and llama.cpp when installed);
            one stream after a 4k-token prompt
@@ -61,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         "--sections",
         default="layers,experts,batch,prefill,prompt-cache,io,distributed,decode,agent-turn",
         help="comma list of: layers, experts, batch, prefill, prompt-cache, io, distributed, "
-        "decode, agent-turn, cap (Linux, root: an MoE larger than a cgroup's memory limit)",
+        "decode, agent-turn, cap (Linux, root: a model larger than a cgroup's memory limit)",
     )
     parser.add_argument(
         "--work-dir",
@@ -74,9 +75,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--plot", type=Path, metavar="DIR", help="also write the results as PNGs into DIR"
     )
-    parser.add_argument("--cap", default="1.2GB", help="cap section: the cgroup's memory limit")
+    parser.add_argument(
+        "--cap",
+        help="cap section: the cgroups' memory limits, comma-separated, in bytes (1.2GB) or "
+        "as fractions of the prepared model (0.85x); default 1.2GB (moe), "
+        "1.4x,0.85x,0.65x (dense)",
+    )
+    parser.add_argument(
+        "--cap-model",
+        choices=("moe", "dense"),
+        default="moe",
+        help="cap section: a ~3 GB qwen3moe (the expert cache) or a 1.2B dense qwen3 "
+        "(layer streaming) larger than the cap",
+    )
     parser.add_argument("--rounds", type=int, default=2, help="cap section: interleaved rounds")
-    parser.add_argument("--model", type=Path, help="cap section: a qwen3moe GGUF to serve")
+    parser.add_argument(
+        "--model", type=Path, help="cap section: a GGUF to serve (of --cap-model's kind)"
+    )
     parser.add_argument(
         "--llama-server",
         type=Path,
@@ -109,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         elif section == "cap":  # not in the default list: root, cgroups, minutes per run
             results[section] = cap.run(
                 args.work_dir,
-                cap=cap.parse_cap(args.cap),
+                cap=args.cap,
+                kind=args.cap_model,
                 tokens=args.tokens,
                 rounds=args.rounds,
                 model=args.model,

@@ -239,6 +239,7 @@ def prompt_cache_for(config: EngineConfig, loaded: LoadedModel) -> PromptCache |
                 config.prompt_cache_disk_bytes,
                 fingerprint,
                 config.prompt_cache_write_bytes_per_hour,
+                drop_page_cache=config.prompt_cache_disk_only,
             )
         except OSError as exc:
             log.warning("prompt cache stays in memory: %s is not usable (%s)", directory, exc)

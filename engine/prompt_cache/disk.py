@@ -104,9 +104,17 @@ class DiskTier:
     """Prompt-cache entries of one model in `directory`, bounded by `max_bytes`."""
 
     def __init__(
-        self, directory: Path, max_bytes: int, model: str, write_bytes_per_hour: int = 0
+        self,
+        directory: Path,
+        max_bytes: int,
+        model: str,
+        write_bytes_per_hour: int = 0,
+        drop_page_cache: bool = False,
     ) -> None:
         self.directory = Path(directory).expanduser()
+        # Under a memory plan with no memory tier, the page cache of what is written
+        # and read back would be charged to the limit: dropped once done with.
+        self.drop_page_cache = drop_page_cache
         self.max_bytes = int(max_bytes)
         self.model = model
         self.stats = DiskStats()
@@ -160,7 +168,9 @@ class DiskTier:
         caches, lengths = [], []
         for entry, end in chain:
             try:
-                segment = prompt_files.read(self.directory / entry.name, self.model)
+                segment = prompt_files.read(
+                    self.directory / entry.name, self.model, self.drop_page_cache
+                )
                 _check_segment(segment.header, entry, end)
             except FileNotFoundError:
                 log.warning("prompt cache entry %s vanished; prefilling instead", entry.name)
@@ -308,7 +318,9 @@ class DiskTier:
             room = sum(self._sizes.get(old, 0) for old in redundant)
         self._evict_to(self.max_bytes - nbytes + room, keep=keep | set(redundant))
         try:
-            size = prompt_files.write(self.directory / name, self.model, entry, start, parent)
+            size = prompt_files.write(
+                self.directory / name, self.model, entry, start, parent, self.drop_page_cache
+            )
         except OSError as exc:
             log.warning("prompt cache entry not written (%s); disk tier goes on", exc)
             self.stats.write_errors += 1

@@ -45,6 +45,7 @@ from mlx_lm.models import cache as mlx_cache
 
 from flashserve.engine.kv import cache as kv_cache
 from flashserve.engine.prompt_cache import segments as prompt_segments
+from flashserve.engine.weights.reader import allocate
 
 MAGIC = b"FSPCACHE"
 FORMAT_VERSION = 2  # 2: segments (start, parent); version 1 files are left alone
@@ -146,10 +147,16 @@ def prepare(tokens: list[int], cache: list[Any]) -> PreparedEntry:
 
 
 def write(
-    path: Path, model: str, entry: PreparedEntry, start: int = 0, parent: str | None = None
+    path: Path,
+    model: str,
+    entry: PreparedEntry,
+    start: int = 0,
+    parent: str | None = None,
+    drop_page_cache: bool = False,
 ) -> int:
     """Write `entry` from position `start` on (continuing file `parent`) to `path`
-    atomically (temp file, fsync, rename); return the file's bytes."""
+    atomically (temp file, fsync, rename); return the file's bytes.
+    `drop_page_cache`: its pages leave the page cache once on disk."""
     if (start or parent) and not entry.splittable:
         raise ValueError("only plain KV states are written as segments")
     arrays = entry.arrays
@@ -182,6 +189,8 @@ def write(
                 f.write(view)
             f.flush()
             os.fsync(f.fileno())
+            if drop_page_cache and hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -197,22 +206,33 @@ def read_header(path: Path, model: str) -> EntryHeader:
     return _entry_header(header, model, size)
 
 
-def read(path: Path, model: str) -> Segment:
-    """The file at `path`: header and (its part of) the cache state, every byte checked."""
+def read(path: Path, model: str, drop_page_cache: bool = False) -> Segment:
+    """The file at `path`: header and (its part of) the cache state, every byte checked.
+
+    Each array is read straight into an MLX buffer of its own (no copy of the
+    payload: a state of a few hundred MB read back under a memory limit would
+    otherwise be held twice). `drop_page_cache`: the file's pages are dropped
+    from the page cache once read (the memory plan left them no room)."""
     with open(path, "rb") as f:
         header, _ = _read_header(f, model)
-        payload = f.read()
         size = os.fstat(f.fileno()).st_size
-    specs = header["arrays"]
-    if len(payload) != sum(n for _, _, n in specs):
-        raise EntryError(f"payload is {len(payload)} bytes, header says otherwise (truncated?)")
-    if hashlib.blake2b(payload, digest_size=32).hexdigest() != header["payload"]:
+        specs = header["arrays"]
+        if size - f.tell() != sum(n for _, _, n in specs):
+            raise EntryError(
+                f"payload is {size - f.tell()} bytes, header says otherwise (truncated?)"
+            )
+        digest = hashlib.blake2b(digest_size=32)
+        buffers = []
+        for dtype, shape, nbytes in specs:
+            buffer, raw = allocate(max(int(nbytes), 1), unwritten=True)
+            if nbytes and f.readinto(memoryview(raw)[:nbytes]) != nbytes:
+                raise EntryError("truncated payload")
+            digest.update(memoryview(raw)[:nbytes])
+            buffers.append((dtype, shape, buffer if nbytes == buffer.size else buffer[:nbytes]))
+        if drop_page_cache and hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    if digest.hexdigest() != header["payload"]:
         raise EntryError("payload checksum mismatch")
-    buffers, offset = [], 0
-    buffer = np.frombuffer(payload, dtype=np.uint8)
-    for dtype, shape, nbytes in specs:
-        buffers.append((dtype, shape, buffer[offset : offset + nbytes]))
-        offset += nbytes
     return Segment(_entry_header(header, model, size), _build(header["skeleton"], buffers))
 
 
@@ -227,13 +247,17 @@ def restore(entry: PreparedEntry) -> list[Any]:
     return prompt_segments.join([cache], [len(entry.tokens)]) if entry.splittable else cache
 
 
-def _build(skeleton: list[Any], buffers: list[tuple[str, list[int], np.ndarray]]) -> list[Any]:
-    """The caches of `skeleton`, their arrays copied out of raw bytes (dtype, shape)."""
+def _build(
+    skeleton: list[Any], buffers: list[tuple[str, list[int], np.ndarray | mx.array]]
+) -> list[Any]:
+    """The caches of `skeleton`, their arrays from raw bytes (dtype, shape): numpy's are
+    copied, an MLX uint8 buffer is viewed."""
     arrays = []
     for dtype, shape, raw in buffers:
         if dtype not in _DTYPES:
             raise EntryError(f"unknown dtype {dtype!r}")
-        arrays.append(mx.array(raw).view(_DTYPES[dtype]).reshape(shape))
+        data = raw if isinstance(raw, mx.array) else mx.array(raw)
+        arrays.append(data.view(_DTYPES[dtype]).reshape(shape))
     return [_cache_class(name).from_state(_rebuild(state, arrays)) for name, state in skeleton]
 
 
