@@ -27,6 +27,7 @@ from flashserve.engine.streaming.denseplan import (
     plan_dense,
 )
 from flashserve.engine.streaming.diskio import drop_page_cache
+from flashserve.engine.streaming.lending import Lending
 from flashserve.engine.weights.model import ModelLoadError
 from tests.conftest import NO_EOS, stop_server
 from tests.streaming_fixtures import big_llama, prepared_model, source_model
@@ -319,3 +320,32 @@ def test_layers_read_around_the_page_cache_give_the_resident_tokens(tmp_path_fac
     assert streamer.stats.bytes_read > 0 and streamer.stats.prefetch_hits > 0
     assert any(file.stat().st_size % 4096 for file in files)  # a last block past the end
     assert sum(_cached_pages(file) for file in files) == 0
+
+
+def test_lent_layers_keep_the_resident_tokens_and_go_back_when_called(tmp_path_factory) -> None:
+    """streaming/lending.py: with room on loan, streamed layers that run stay resident
+    (no read of their own), greedy tokens unchanged; called back, they stream again."""
+    src = source_model(tmp_path_factory, "llama")
+    prepared = prepared_model(tmp_path_factory, "llama")
+    model, _ = mlx_lm_load(str(src))
+    ref_tokens, ref_logprobs, _ = greedy(model, PROMPT)
+    loaded = load(EngineConfig(model=str(prepared), resident_layers=0, prefetch_depth=1))
+    streamer = loaded.streamer
+    size = streamer.layer_bytes(0)
+    lending = Lending(
+        streamer, 10 * size, 4 * size, kv_bytes_per_token=0, planned_depth=1, max_depth=1
+    )
+    lending.settle(3 * size + size // 2, grow=True)  # room for three layers
+    tokens, logprobs, _ = greedy(loaded.model, PROMPT)
+    assert tokens == ref_tokens and mx.allclose(logprobs, ref_logprobs, atol=1e-4).item()
+    assert len(streamer.lent) == 3 and sorted(streamer.resident_layers) == sorted(streamer.lent)
+    loads = streamer.stats.layer_loads
+    greedy(loaded.model, PROMPT, tokens=4)
+    per_token = (streamer.stats.layer_loads - loads) / 4
+    assert per_token <= len(streamer.layers) - 3 + 1  # the lent ones are read no more
+    lending.settle(size, grow=False)  # a prefill comes: room for one
+    assert len(streamer.lent) == 1 and streamer.lend_room == 0
+    lending.settle(0, grow=False)
+    assert streamer.lent == [] and streamer.resident_layers == []
+    tokens, _, _ = greedy(loaded.model, PROMPT)
+    assert tokens == ref_tokens

@@ -9,6 +9,9 @@
   (its prompt and its whole answer, one per choice) stays within the plan.
 * Memory checks every MEMORY_CHECK_INTERVAL decode steps (the residency
   manager sheds under pressure: streaming/residency.py).
+* The plan's unused KV and prefill room lent to streamed layers while decode
+  runs (streaming/lending.py): called back before a request is admitted, and
+  after every step as the batch's KV grows.
 * Reads beyond the plan. A process whose memory is overcommitted keeps
   re-reading its own code and weights from disk (issue 54: 130 GB read in 4.5
   minutes, no token). Every WINDOW decode steps the bytes this process read
@@ -23,7 +26,10 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from flashserve.engine.generation.requests import GenerationRequest
+from flashserve.engine.generation.requests import GenerationRequest, RequestHandle
+from flashserve.engine.generation.stats import WorkerStats
+from flashserve.engine.streaming.lending import Lending
+from flashserve.engine.streaming.memory import available_memory
 from flashserve.engine.streaming.residency import fmt_bytes
 
 log = logging.getLogger(__name__)
@@ -54,9 +60,20 @@ def process_read_bytes(path: Path = Path("/proc/self/io")) -> int | None:
 class MemoryGuard:
     """The worker's KV budget, memory checks and read watch for one loaded model."""
 
-    def __init__(self, loaded: Any, kv_budget: int | None) -> None:
+    def __init__(self, loaded: Any, kv_budget: int | None, prompt_cache: Any = None) -> None:
         self.streamer = getattr(loaded, "streamer", None)
         self.kv_budget = kv_budget  # tokens; None: the plan bounds no KV
+        self.prompt_cache = prompt_cache
+        plan = getattr(self.streamer, "memory_plan", None)
+        self.lending = (
+            Lending.for_streamer(
+                self.streamer,
+                plan.kv_reserve_bytes // max(plan.kv_reserve_tokens, 1),
+                self.streamer.max_prefetch_depth,
+            )
+            if kv_budget is not None
+            else None
+        )
         snap = self.streamer.snapshot() if self.streamer is not None else None
         self.model_bytes = (
             snap["non_layer_bytes"]
@@ -69,9 +86,27 @@ class MemoryGuard:
         self._read_at: int | None = process_read_bytes() if self.model_bytes else None
 
     @classmethod
-    def for_loaded(cls, loaded: Any) -> MemoryGuard:
+    def for_loaded(cls, loaded: Any, prompt_cache: Any = None) -> MemoryGuard:
         plan = getattr(getattr(loaded, "streamer", None), "memory_plan", None)
-        return cls(loaded, getattr(plan, "context_tokens", None))
+        return cls(loaded, getattr(plan, "context_tokens", None), prompt_cache)
+
+    def _queued(self) -> int:
+        disk = getattr(self.prompt_cache, "disk", None)
+        return disk.queued_bytes() if disk is not None else 0
+
+    def before_prefill(self, handles: list[RequestHandle], stats: WorkerStats) -> None:
+        """Call the loan back for the requests about to be admitted: their prefill's
+        room and their KV (restored from the prompt cache or prefilled)."""
+        if self.lending is None:
+            return
+        tokens = sum(kv_tokens(h.request) for h in handles)
+        room = self.lending.room(
+            stats.kv_cache_bytes + tokens * self.lending.kv_bytes_per_token,
+            stats.active + sum(h.request.n for h in handles),
+            self._queued(),
+            prefill=True,
+        )
+        self.lending.settle(room, grow=False)
 
     def admits(self, reserved: int, request: GenerationRequest) -> bool:
         """Whether `request` may join a batch whose sequences hold `reserved` KV tokens
@@ -80,9 +115,17 @@ class MemoryGuard:
             return True
         return reserved + kv_tokens(request) <= self.kv_budget
 
-    def after_step(self, steps: int) -> None:
-        """Call after each decode step (`steps`: decode steps so far)."""
-        if steps % MEMORY_CHECK_INTERVAL == 0 and self.streamer is not None:
+    def after_step(self, stats: WorkerStats) -> None:
+        """Call after each decode step (`stats`: the worker's, updated for it)."""
+        if self.lending is not None:
+            room = self.lending.room(
+                stats.kv_cache_bytes, stats.active, self._queued(), prefill=False
+            )
+            # Never past what is really free: memory the plan did not foresee (the
+            # Python heap, the allocator's slack) is not the loan's to hand out.
+            free = available_memory() - self.lending.keep_free
+            self.lending.settle(min(room, self.lending.lent_bytes() + free), grow=True)
+        if stats.steps % MEMORY_CHECK_INTERVAL == 0 and self.streamer is not None:
             self.streamer.check_memory()
         if self._read_at is None:
             return

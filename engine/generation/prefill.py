@@ -165,6 +165,8 @@ class LayerMajorPrefill:
         """Run every job's tokens into its cache. Raises what a layer raises."""
         for group in self._groups(jobs):
             self._run_group(group)
+        if self.experts is None:
+            heap.trim()  # the arenas' copies of the chunks' activations (compute/heap.py)
 
     def _groups(self, jobs: list[PrefillJob]) -> list[list[_Chunk]]:
         """The jobs' chunks, in groups that fit the budget (a long job spans groups)."""

@@ -177,6 +177,10 @@ class RequestHandle:
         if callback is not None:
             callback()
 
+    def was_cancelled(self) -> bool:
+        """Whether the client went away (what a long prefill checks as it goes)."""
+        return self.cancelled
+
     def cancel(self) -> None:
         self.cancelled = True
         if not self.started:

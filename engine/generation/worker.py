@@ -14,7 +14,6 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
@@ -168,7 +167,7 @@ class Engine:
             self.loaded, self.mirror = load_model(self.config)  # split across ranks?
             self.prompt_cache = prompt_cache_for(self.config, self.loaded)
             self._layer_major = LayerMajorPrefill.for_engine(self.config, self.loaded)
-            self.guard = MemoryGuard.for_loaded(self.loaded)
+            self.guard = MemoryGuard.for_loaded(self.loaded, self.prompt_cache)
             self.state = "ready"
             log.info(
                 "model %s ready (context %d tokens, float matmuls on %s BLAS)",
@@ -282,7 +281,7 @@ class Engine:
             batch.remove([uid])
             self._fail(active, uid, active[uid].failed)
         if self.guard is not None:
-            self.guard.after_step(self.stats.steps)
+            self.guard.after_step(self.stats)
 
     def _admit(self, batch: BatchGenerator, active: dict[int, Choice], block: bool) -> bool:
         """Move waiting requests into the batch while slots are free; False on shutdown."""
@@ -310,6 +309,8 @@ class Engine:
             handle.started = True
             handle.taken_at = time.perf_counter()
             handles.append(handle)
+        if handles and self.guard is not None:  # before any restored state takes room
+            self.guard.before_prefill(handles, self.stats)
         starts = [s for s in (self._prepare(h) for h in handles) if s is not None]
         self._prefill_layer_major(starts)
         for start in starts:
@@ -387,7 +388,7 @@ class Engine:
                 keep_prefix=self.prompt_cache is not None
                 and self.config.prompt_prefix_states
                 and s.handle.request.use_prompt_cache,
-                cancelled=_cancel_check(s.handle),
+                cancelled=s.handle.was_cancelled,
             )
             for s in starts
         ]
@@ -476,7 +477,7 @@ class Engine:
                 start.reused,
                 self.config.prefill_step_size,
                 start.scores,
-                _cancel_check(start.handle),
+                start.handle.was_cancelled,
             )
         except PrefillCancelled:
             self._cancel_waiting(start.handle)
@@ -592,7 +593,3 @@ class Engine:
         self.stats.record(prompt, entry.generated, entry.started, entry.first_token_at)
         if entry.index == 0 and (parts := entry.ttft_parts()) is not None:
             self.stats.ttft.add(parts)
-
-
-def _cancel_check(handle: RequestHandle) -> Callable[[], bool]:
-    return lambda: handle.cancelled

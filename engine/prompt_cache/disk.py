@@ -239,6 +239,11 @@ class DiskTier:
                     del self._queued[i]
                     break
 
+    def queued_bytes(self) -> int:
+        """Bytes of states in memory waiting to be written."""
+        with self._lock:
+            return sum(entry.nbytes for entry in self._queued)
+
     def wait_written(self, entry: PreparedEntry, timeout: float) -> bool:
         """Wait until `entry` is written (or dropped), not for the writes queued after
         it; False on timeout."""

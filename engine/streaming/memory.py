@@ -317,6 +317,8 @@ class MemoryReport:
     # Bytes read from disk per decoder layer since start (streamed layer files;
     # offloaded experts are counted per layer in the expert cache's stats).
     layer_bytes_read: list[int] = field(default_factory=list)
+    # Resident on loan: the dense plan's unused KV and prefill room (streaming/lending.py)
+    lent_layers: list[int] = field(default_factory=list)
     shedding_events: list[dict] = field(default_factory=list)
     plan: dict | None = None  # ResidencyPlan as a dict (N, layers, inputs); None: not streamed
     streaming: dict | None = None  # StreamStats as a dict; None: not streamed

@@ -270,6 +270,7 @@ def load_prepared(path: Path, config: EngineConfig) -> LoadedModel:
         layers=infos,
         non_layer_bytes=non_layer_bytes,
         prefetch_depth=max(0, int(config.prefetch_depth)),
+        max_prefetch_depth=max(0, int(config.prefetch_depth)),
         drop_page_cache=bool(config.extra.get("stream_drop_page_cache", False)),
         io_timeout=float(config.io_timeout),
         chunk_bytes=chunk or CHUNK_BYTES,

@@ -162,6 +162,7 @@ class LayerStreamer:
     layers: list[LayerInfo]
     non_layer_bytes: int
     prefetch_depth: int = 1
+    max_prefetch_depth: int = 1  # the configured depth (a memory plan may run with less)
     experts_with_layers: bool = True
     # Evict a streamed layer's file from the page cache after each use: an
     # honest cold read every token (benchmarks; models far larger than RAM).
@@ -183,6 +184,10 @@ class LayerStreamer:
     _free: dict[int, list[tuple[mx.array, np.ndarray]]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _held: int | None = None  # the layer `holding` keeps installed
+    # Layers resident on loan (streaming/lending.py): a streamed layer that has run
+    # keeps its weights while `lend_room` bytes allow, and `give_back` streams it again.
+    lend_room: int = 0
+    lent: list[int] = field(default_factory=list)
 
     # --- residency ---------------------------------------------------------
 
@@ -201,6 +206,7 @@ class LayerStreamer:
     def apply(self, resident: list[int]) -> None:
         """Make exactly `resident` layers resident, stream the others."""
         keep = set(resident)
+        self.lent, self.lend_room = [], 0
         for info in self.layers:
             if info.index in keep:
                 if is_streamed(info.module) or not self._installed(info):
@@ -211,6 +217,7 @@ class LayerStreamer:
 
     def demote(self, indices: list[int]) -> None:
         """Turn resident layers into streamed ones and return their memory."""
+        self.lent = [i for i in self.lent if i not in indices]
         for i in indices:
             self._make_streamed(self.layers[i])
         self._reorder()
@@ -429,13 +436,34 @@ class LayerStreamer:
         self._install(info, weights)
         self._running[info.index] = pending
 
-    def _drop(self, info: LayerInfo, ran: bool) -> None:
+    def _drop(self, info: LayerInfo, ran: bool, lend: bool = True) -> None:
         """Release layer `info`; `ran`: its computation is evaluated, so its buffers
-        can take the next reads (after a failure a lazy graph might still use them)."""
+        can take the next reads (after a failure a lazy graph might still use them).
+        `lend`: it may stay resident on loan instead (`lend_room`)."""
+        if ran and lend and self._keep_on_loan(info):
+            return
         self._release(info)
         pending = self._running.pop(info.index, None)
         if ran and pending is not None:
             self._recycle(pending)
+
+    def _keep_on_loan(self, info: LayerInfo) -> bool:
+        """Keep a layer that has just run resident, its weights where they were read,
+        while the loan has room for it: no read of its own."""
+        nbytes = self.layer_bytes(info.index)
+        if self.lend_room < nbytes or self._running.get(info.index) is None:
+            return False
+        self._running.pop(info.index)
+        info.module.__class__ = type(info.module)._fs_base
+        self.lent.append(info.index)
+        self.lend_room -= nbytes
+        self._reorder()
+        return True
+
+    def give_back(self, count: int) -> None:
+        """Stream the last `count` layers lent again (their memory goes back now)."""
+        if count > 0 and self.lent:
+            self.demote(self.lent[-count:])
 
     def _call(self, layer: nn.Module, args: tuple, kwargs: dict) -> Any:
         out = type(layer)._fs_base.__call__(layer, *args, **kwargs)
@@ -479,7 +507,7 @@ class LayerStreamer:
             ran = True  # the block evaluates what it ran through the layer
         finally:
             self._held = None
-            self._drop(info, ran)
+            self._drop(info, ran, lend=False)
             self.stats.streamed_seconds += time.perf_counter() - start
 
     # --- reporting ---------------------------------------------------------
@@ -502,6 +530,7 @@ class LayerStreamer:
             "num_layers": len(self.layers),
             "resident_layers": resident,
             "streamed_layers": self.streamed_layers,
+            "lent_layers": list(self.lent),
             "resident_weight_bytes": self.non_layer_bytes
             + sum(self.layer_bytes(i) for i in resident),
             "non_layer_bytes": self.non_layer_bytes,

@@ -57,6 +57,10 @@ class MemoryResponse(BaseModel):
         "(offloaded experts: per layer in /cache/stats)"
     )
     shedding_events: list[dict] = Field(description="resident layers shed under pressure")
+    lent_layers: list[int] = Field(
+        description="layers resident on loan (also in resident_layers): the memory plan's "
+        "KV and prefill room while unused; streamed again before it is needed"
+    )
     plan: dict | None = Field(description="the residency plan and its inputs; null: all resident")
     private_bytes: int = Field(description="private resident memory (RssAnon; 0 off Linux)")
     expert_cache_bytes: int = Field(description="experts held by the expert cache")

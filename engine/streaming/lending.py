@@ -1,0 +1,106 @@
+"""Streamed layers resident on loan: the dense plan's room while nothing uses it.
+
+The dense memory plan (denseplan.py) sets aside KV for its whole memory-bound
+context and a prefill's working memory, so that any request it admits fits.
+Most of the time neither is used in full: a decode step holds no prefill, and
+a conversation shorter than the context holds less KV. That room is lent:
+
+* first to prefetch depth, up to the configured depth, where the plan gave
+  some up (a layer's read in flight while another computes);
+* then to streamed layers: one that has just run keeps its weights (no read
+  of its own: LayerStreamer `lend_room`), until the loan is full.
+
+The loan is called back before the room is needed: before a request is
+admitted (its prefill's working memory, and its prompt's and answer's KV,
+restored from the prompt cache or not), and after every decode step as the
+batch's KV grows (each sequence may grow by one KV block, KV_STEP tokens, in
+the next step), or a state waits to be written to the prompt cache's disk
+tier. A layer given back is streamed again at once and its memory freed
+before anything takes the room. Greedy output does not change: where a
+layer's weights come from never does.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from flashserve.engine.streaming.residency import fmt_bytes
+
+log = logging.getLogger(__name__)
+
+KV_STEP = 256  # tokens mlx-lm's KV cache grows by
+
+
+@dataclass
+class Lending:
+    """The loan of one streamer; `settle` is called from the worker thread."""
+
+    streamer: Any  # streaming.streamer.LayerStreamer
+    lendable: int  # the plan's KV and prefill reserves
+    prefill_bytes: int  # the plan's prefill reserve
+    kv_bytes_per_token: int
+    planned_depth: int  # the plan's prefetch depth
+    max_depth: int  # the configured one
+    keep_free: int = 0  # available memory the loan never takes: the plan's kept free
+    lent_bytes_peak: int = 0
+
+    @classmethod
+    def for_streamer(cls, streamer: Any, kv_bytes_per_token: int, depth: int) -> Lending | None:
+        plan = getattr(streamer, "memory_plan", None)
+        if streamer is None or getattr(plan, "context_tokens", None) is None:
+            return None  # the dense plan's loan only
+        return cls(
+            streamer,
+            lendable=plan.kv_reserve_bytes + plan.prefill_reserve_bytes,
+            prefill_bytes=plan.prefill_reserve_bytes,
+            kv_bytes_per_token=kv_bytes_per_token,
+            planned_depth=int(plan.prefetch_depth or 0),
+            max_depth=max(int(depth), int(plan.prefetch_depth or 0)),
+            keep_free=plan.file_reserve_bytes,
+        )
+
+    def lent_bytes(self) -> int:
+        """Bytes the loan holds now: lent layers and the prefetch depth above the plan's."""
+        streamer = self.streamer
+        extra = max(0, streamer.prefetch_depth - self.planned_depth) * self._largest()
+        return sum(streamer.layer_bytes(i) for i in streamer.lent) + extra
+
+    def _largest(self) -> int:
+        streamer = self.streamer
+        return max((streamer.layer_bytes(i) for i in range(len(streamer.layers))), default=0)
+
+    def room(self, kv_bytes: int, sequences: int, queued: int, prefill: bool) -> int:
+        """What the loan may hold now: the reserves less the batch's KV and one more KV
+        block per sequence, states queued for disk, and a prefill's room if one comes."""
+        used = kv_bytes + sequences * KV_STEP * self.kv_bytes_per_token + queued
+        return max(0, self.lendable - used - (self.prefill_bytes if prefill else 0))
+
+    def settle(self, room: int, grow: bool) -> None:
+        """Give back what `room` no longer holds; with `grow`, lend the rest (decode)."""
+        streamer = self.streamer
+        largest = self._largest()
+        depth = self.planned_depth
+        while depth < self.max_depth and room >= largest * (depth - self.planned_depth + 1):
+            depth += 1
+        if not grow:
+            depth = self.planned_depth
+        room -= (depth - self.planned_depth) * largest
+        lent = sum(streamer.layer_bytes(i) for i in streamer.lent)
+        back = 0
+        while lent > room and back < len(streamer.lent):
+            back += 1
+            lent -= streamer.layer_bytes(streamer.lent[-back])
+        if back:
+            streamer.give_back(back)
+            log.debug("lent layers: %d given back, %d still lent", back, len(streamer.lent))
+        streamer.prefetch_depth = depth
+        streamer.lend_room = max(0, room - lent) if grow else 0
+        self.lent_bytes_peak = max(self.lent_bytes_peak, lent)
+
+    def describe(self) -> str:
+        return (
+            f"{len(self.streamer.lent)} layers lent, prefetch depth {self.streamer.prefetch_depth} "
+            f"(planned {self.planned_depth}); lendable {fmt_bytes(self.lendable)}"
+        )
