@@ -3,4 +3,5 @@
 - `runner`   the command line and the list of sections.
 - `common`   bench models, engine start, concurrent streams, tables.
 - `layers`, `experts`, `batch`, `prefill`: one section each.
+- `cap/`     a model larger than a real cgroup memory limit, beside llama-server.
 """

@@ -1,4 +1,4 @@
-"""One server run of the cap bench (bench/cap.py) inside a cgroup v1 memory group.
+"""One server run of the cap bench (bench/cap/section.py) inside a cgroup v1 memory group.
 
 The server (flashserve or llama-server, its command line given) starts alone
 in a fresh group capped at the run's limit (page cache charged to it; the

@@ -1,6 +1,6 @@
 """The `cap` section of `flashserve bench`: a model larger than memory under a real cap.
 
-Each server runs alone in a cgroup v1 memory group (bench/cap_run.py: page cache
+Each server runs alone in a cgroup v1 memory group (bench/cap/runs.py: page cache
 charged to it; the model's pages dropped from the page cache before each start).
 Two models, `--cap-model`:
 
@@ -44,7 +44,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from flashserve.engine.bench.cap_run import EOS_BIAS, CapRun, RunSpec, one_run
+from flashserve.engine.bench.cap.runs import EOS_BIAS, CapRun, RunSpec, one_run
 from flashserve.engine.bench.common import print_table
 from flashserve.engine.experts.cache import Capacity
 from flashserve.engine.streaming.diskio import best_random_read_speed, measure_read_speed
