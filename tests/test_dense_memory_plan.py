@@ -6,11 +6,13 @@ came).
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import anthropic
 import mlx.core as mx
@@ -19,6 +21,9 @@ import pytest
 from mlx_lm.utils import load as mlx_lm_load
 
 from flashserve.engine.config import EngineConfig
+from flashserve.engine.generation import memory_guard
+from flashserve.engine.generation.memory_guard import MemoryGuard
+from flashserve.engine.generation.stats import WorkerStats
 from flashserve.engine.loader import load
 from flashserve.engine.streaming.denseplan import (
     MIN_CONTEXT,
@@ -349,3 +354,51 @@ def test_lent_layers_keep_the_resident_tokens_and_go_back_when_called(tmp_path_f
     assert streamer.lent == [] and streamer.resident_layers == []
     tokens, _, _ = greedy(loaded.model, PROMPT)
     assert tokens == ref_tokens
+
+
+@pytest.mark.parametrize("times", [1, 3])
+def test_reads_past_the_plan_are_logged_and_shed(tmp_path_factory, monkeypatch, caplog, times):
+    """A process re-reading its code and weights (memory taken by something the plan did
+    not foresee) sees more than the model read per step: past twice, it says so and
+    sheds, whatever available memory says; at the plan's rate, nothing happens."""
+    prepared = prepared_model(tmp_path_factory, "llama")
+    loaded = load(EngineConfig(model=str(prepared), resident_layers=2))
+    model = sum(f.stat().st_size for f in prepared.rglob("*") if f.is_file())
+    # /proc/self/io is read once a window: each read finds `times` the model per step.
+    reads = itertools.count(0, times * model * memory_guard.WINDOW)
+    monkeypatch.setattr(memory_guard, "process_read_bytes", lambda: next(reads))
+    guard = MemoryGuard(loaded, kv_budget=None)
+    stats = WorkerStats()
+    for step in range(1, 2 * memory_guard.WINDOW + 1):
+        stats.steps = step
+        guard.after_step(stats)
+    events = loaded.streamer.residency.events
+    if times == 1:
+        assert events == [] and len(loaded.streamer.resident_layers) == 2
+        return
+    assert [e.note for e in events] == ["reads past the plan"] * 2
+    assert loaded.streamer.resident_layers == []  # one layer shed per window
+    assert "memory is overcommitted" in caplog.text
+    tokens, _, _ = greedy(loaded.model, PROMPT, tokens=4)
+    assert len(tokens) == 4
+
+
+def test_a_prefill_takes_a_larger_chunk_where_its_prompt_leaves_room() -> None:
+    """The plan sized the prefill for its whole context; a shorter prompt leaves the
+    rest of the KV room unused, and the prefill takes the configured chunk (and
+    kept float copies) back as far as that room allows."""
+    shape = _shape()
+    streamer = SimpleNamespace(
+        dense_shape=shape, planned_prefill=(64, False), max_prefill=(512, True)
+    )
+    lending = Lending(streamer, 0, 0, kv_bytes_per_token=0, planned_depth=0, max_depth=0)
+    need = lambda chunk, keep, tokens: (  # noqa: E731
+        shape.activations(chunk, tokens)
+        + (shape.float_copy_bytes if keep else shape.float_slice_bytes)
+        + tokens * shape.held_bytes_per_token
+    )
+    assert lending.prefill_settings(need(64, False, 1000), 1000) == (64, False)
+    assert lending.prefill_settings(need(256, False, 1000), 1000) == (256, False)
+    assert lending.prefill_settings(need(256, True, 1000), 1000) == (256, True)
+    assert lending.prefill_settings(10 * need(512, True, 1000), 1000) == (512, True)
+    assert lending.prefill_settings(0, 1000) == (64, False)  # never below the plan's

@@ -81,14 +81,24 @@ class MemoryGuard:
             if snap is not None
             else 0
         )
+        self.prefill_choice: tuple[int, bool] | None = None  # for the next prefill
         self.thrash_events = 0
         self._steps = 0
         self._read_at: int | None = process_read_bytes() if self.model_bytes else None
 
     @classmethod
-    def for_loaded(cls, loaded: Any, prompt_cache: Any = None) -> MemoryGuard:
+    def for_loaded(cls, loaded: Any, prompt_cache: Any = None, prefill: Any = None) -> MemoryGuard:
+        """The guard of `loaded`; `prefill` (generation/prefill.py's) then asks it for
+        each prefill's chunk and float copies."""
         plan = getattr(getattr(loaded, "streamer", None), "memory_plan", None)
-        return cls(loaded, getattr(plan, "context_tokens", None), prompt_cache)
+        guard = cls(loaded, getattr(plan, "context_tokens", None), prompt_cache)
+        if guard.lending is not None and prefill is not None:
+            prefill.settings_for = guard.take_prefill_choice
+        return guard
+
+    def take_prefill_choice(self) -> tuple[int, bool] | None:
+        choice, self.prefill_choice = self.prefill_choice, None
+        return choice
 
     def _queued(self) -> int:
         disk = getattr(self.prompt_cache, "disk", None)
@@ -99,14 +109,20 @@ class MemoryGuard:
         room and their KV (restored from the prompt cache or prefilled)."""
         if self.lending is None:
             return
+        lending = self.lending
         tokens = sum(kv_tokens(h.request) for h in handles)
-        room = self.lending.room(
-            stats.kv_cache_bytes + tokens * self.lending.kv_bytes_per_token,
+        room = lending.room(
+            stats.kv_cache_bytes + tokens * lending.kv_bytes_per_token,
             stats.active + sum(h.request.n for h in handles),
             self._queued(),
             prefill=True,
         )
-        self.lending.settle(room, grow=False)
+        lending.settle(room, grow=False)
+        # What the loan does not hold is the prefill's: a larger chunk, or a layer's
+        # float copies kept, where the prompts are shorter than the context.
+        prompts = sum(len(h.request.prompt_tokens) for h in handles)
+        prefill_room = room - lending.lent_bytes() + lending.prefill_bytes
+        self.prefill_choice = lending.prefill_settings(prefill_room, prompts)
 
     def admits(self, reserved: int, request: GenerationRequest) -> bool:
         """Whether `request` may join a batch whose sequences hold `reserved` KV tokens

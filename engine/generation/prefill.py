@@ -105,6 +105,9 @@ class LayerMajorPrefill:
     # A layer's float weight copies kept for all its chunks (the memory plan may
     # not leave room for them: then each chunk makes them again, same numbers).
     keep_float_copies: bool = True
+    # Asked before each run: (chunk tokens, keep float copies) the memory allows
+    # now, or None (generation/memory_guard.py). The tokens are the same in any chunking.
+    settings_for: Callable[[], tuple[int, bool] | None] | None = None
     _current: _Chunk | None = field(default=None, init=False)  # the chunk running now
     _round: int = field(default=-1, init=False)  # the layer whose round runs
     _main: greenlet | None = field(default=None, init=False)  # the driver's greenlet
@@ -163,6 +166,8 @@ class LayerMajorPrefill:
 
     def run(self, jobs: list[PrefillJob]) -> None:
         """Run every job's tokens into its cache. Raises what a layer raises."""
+        if self.settings_for is not None and (chosen := self.settings_for()) is not None:
+            self.chunk_tokens, self.keep_float_copies = chosen
         for group in self._groups(jobs):
             self._run_group(group)
         if self.experts is None:

@@ -167,7 +167,7 @@ class Engine:
             self.loaded, self.mirror = load_model(self.config)  # split across ranks?
             self.prompt_cache = prompt_cache_for(self.config, self.loaded)
             self._layer_major = LayerMajorPrefill.for_engine(self.config, self.loaded)
-            self.guard = MemoryGuard.for_loaded(self.loaded, self.prompt_cache)
+            self.guard = MemoryGuard.for_loaded(self.loaded, self.prompt_cache, self._layer_major)
             self.state = "ready"
             log.info(
                 "model %s ready (context %d tokens, float matmuls on %s BLAS)",

@@ -99,6 +99,28 @@ class Lending:
         streamer.lend_room = max(0, room - lent) if grow else 0
         self.lent_bytes_peak = max(self.lent_bytes_peak, lent)
 
+    def prefill_settings(self, room: int, tokens: int) -> tuple[int, bool]:
+        """(chunk tokens, keep a layer's float copies) for a prefill of prompts reaching
+        `tokens` of context, within `room` bytes: the plan's settings, or the
+        configured ones (or between) where the room the loan is not using allows.
+        The tokens are the same in any chunking."""
+        streamer = self.streamer
+        shape, planned = streamer.dense_shape, streamer.planned_prefill
+        if shape is None or planned is None or streamer.max_prefill is None:
+            return planned or (0, False)
+        chunk, keep = planned
+        top, may_keep = streamer.max_prefill
+        best = (chunk, keep)
+        held = tokens * shape.held_bytes_per_token
+        size = chunk
+        while size <= top:
+            for kept in (False, True) if may_keep else (False,):
+                copies = shape.float_copy_bytes if kept else shape.float_slice_bytes
+                if shape.activations(size, tokens) + copies + held <= room:
+                    best = max(best, (size, kept))
+            size *= 2
+        return best
+
     def describe(self) -> str:
         return (
             f"{len(self.streamer.lent)} layers lent, prefetch depth {self.streamer.prefetch_depth} "

@@ -295,7 +295,11 @@ def load_prepared(path: Path, config: EngineConfig) -> LoadedModel:
         # The dense memory plan writes its numbers into `config` (the worker's too);
         # streamed layers are read around the page cache it leaves no room for.
         shape = _dense_shape(model_config, config, copies, layer_bytes, kv_per_token)
+        chunk, keep = int(config.prefill_step_size), bool(config.prefill_keep_float_copies)
         streamer.memory_plan = apply_dense_plan(config, shape)
+        # What a prefill may take back while the loan leaves room (streaming/lending.py).
+        streamer.dense_shape, streamer.max_prefill = shape, (chunk, keep)
+        streamer.planned_prefill = (config.prefill_step_size, config.prefill_keep_float_copies)
         streamer.prefetch_depth = int(config.prefetch_depth)
         streamer.direct_reads = mx.default_device() == mx.cpu
     if is_auto(config.expert_cache):

@@ -188,6 +188,11 @@ class LayerStreamer:
     # keeps its weights while `lend_room` bytes allow, and `give_back` streams it again.
     lend_room: int = 0
     lent: list[int] = field(default_factory=list)
+    # The dense plan's model shape and the configured (chunk, keep float copies):
+    # a prefill's settings within the room it finds (streaming/lending.py)
+    dense_shape: Any = None
+    max_prefill: tuple[int, bool] | None = None
+    planned_prefill: tuple[int, bool] | None = None  # what the plan left them at
 
     # --- residency ---------------------------------------------------------
 
