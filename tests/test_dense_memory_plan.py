@@ -371,7 +371,7 @@ def test_reads_past_the_plan_are_logged_and_shed(tmp_path_factory, monkeypatch, 
     stats = WorkerStats()
     for step in range(1, 2 * memory_guard.WINDOW + 1):
         stats.steps = step
-        guard.after_step(stats)
+        guard.after_step(stats, {})
     events = loaded.streamer.residency.events
     if times == 1:
         assert events == [] and len(loaded.streamer.resident_layers) == 2

@@ -46,6 +46,11 @@ def kv_tokens(request: GenerationRequest) -> int:
     return (len(request.prompt_tokens) + max(request.max_tokens, 0)) * max(request.n, 1)
 
 
+def _choice_ends(request: GenerationRequest) -> list[int]:
+    """Where each of the request's choices ends: its prompt and whole answer."""
+    return [len(request.prompt_tokens) + max(request.max_tokens, 0)] * max(request.n, 1)
+
+
 def process_read_bytes(path: Path = Path("/proc/self/io")) -> int | None:
     """Bytes this process has caused to be read from storage (Linux); None elsewhere."""
     try:
@@ -104,19 +109,22 @@ class MemoryGuard:
         disk = getattr(self.prompt_cache, "disk", None)
         return disk.queued_bytes() if disk is not None else 0
 
-    def before_prefill(self, handles: list[RequestHandle], stats: WorkerStats) -> None:
+    @staticmethod
+    def _ends(active: dict[int, Any]) -> list[int]:
+        """Where each sequence of the batch ends (`active`: the worker's choices)."""
+        return [_choice_ends(c.handle.request)[0] for c in active.values()]
+
+    def before_prefill(
+        self, handles: list[RequestHandle], stats: WorkerStats, active: dict[int, Any]
+    ) -> None:
         """Call the loan back for the requests about to be admitted: their prefill's
         room and their KV (restored from the prompt cache or prefilled)."""
         if self.lending is None:
             return
         lending = self.lending
-        tokens = sum(kv_tokens(h.request) for h in handles)
-        room = lending.room(
-            stats.kv_cache_bytes + tokens * lending.kv_bytes_per_token,
-            stats.active + sum(h.request.n for h in handles),
-            self._queued(),
-            prefill=True,
-        )
+        ends = [*self._ends(active), *(t for h in handles for t in _choice_ends(h.request))]
+        kv = max(stats.kv_cache_bytes, lending.batch_kv_bytes(ends))
+        room = lending.room(kv, self._queued(), prefill=True)
         lending.settle(room, grow=False)
         # What the loan does not hold is the prefill's: a larger chunk, or a layer's
         # float copies kept, where the prompts are shorter than the context.
@@ -131,12 +139,12 @@ class MemoryGuard:
             return True
         return reserved + kv_tokens(request) <= self.kv_budget
 
-    def after_step(self, stats: WorkerStats) -> None:
-        """Call after each decode step (`stats`: the worker's, updated for it)."""
+    def after_step(self, stats: WorkerStats, active: dict[int, Any]) -> None:
+        """Call after each decode step (`stats`: the worker's, updated for it; `active`:
+        the batch's choices)."""
         if self.lending is not None:
-            room = self.lending.room(
-                stats.kv_cache_bytes, stats.active, self._queued(), prefill=False
-            )
+            kv = max(stats.kv_cache_bytes, self.lending.batch_kv_bytes(self._ends(active)))
+            room = self.lending.room(kv, self._queued(), prefill=False)
             # Never past what is really free: memory the plan did not foresee (the
             # Python heap, the allocator's slack) is not the loan's to hand out.
             free = available_memory() - self.lending.keep_free

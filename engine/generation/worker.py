@@ -281,7 +281,7 @@ class Engine:
             batch.remove([uid])
             self._fail(active, uid, active[uid].failed)
         if self.guard is not None:
-            self.guard.after_step(self.stats)
+            self.guard.after_step(self.stats, active)
 
     def _admit(self, batch: BatchGenerator, active: dict[int, Choice], block: bool) -> bool:
         """Move waiting requests into the batch while slots are free; False on shutdown."""
@@ -310,7 +310,7 @@ class Engine:
             handle.taken_at = time.perf_counter()
             handles.append(handle)
         if handles and self.guard is not None:  # before any restored state takes room
-            self.guard.before_prefill(handles, self.stats)
+            self.guard.before_prefill(handles, self.stats, active)
         starts = [s for s in (self._prepare(h) for h in handles) if s is not None]
         self._prefill_layer_major(starts)
         for start in starts:

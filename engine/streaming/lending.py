@@ -12,10 +12,10 @@ a conversation shorter than the context holds less KV. That room is lent:
 
 The loan is called back before the room is needed: before a request is
 admitted (its prefill's working memory, and its prompt's and answer's KV,
-restored from the prompt cache or not), and after every decode step as the
-batch's KV grows (each sequence may grow by one KV block, KV_STEP tokens, in
-the next step), or a state waits to be written to the prompt cache's disk
-tier. A layer given back is streamed again at once and its memory freed
+restored from the prompt cache or not), and after every decode step by what
+the batch's KV will grow to (each sequence's prompt and whole answer, padded
+as mlx-lm's batch cache pads them), or a state waits to be written to the
+prompt cache's disk tier. A layer given back is streamed again at once and its memory freed
 before anything takes the room. Greedy output does not change: where a
 layer's weights come from never does.
 """
@@ -71,11 +71,21 @@ class Lending:
         streamer = self.streamer
         return max((streamer.layer_bytes(i) for i in range(len(streamer.layers))), default=0)
 
-    def room(self, kv_bytes: int, sequences: int, queued: int, prefill: bool) -> int:
-        """What the loan may hold now: the reserves less the batch's KV and one more KV
-        block per sequence, states queued for disk, and a prefill's room if one comes."""
-        used = kv_bytes + sequences * KV_STEP * self.kv_bytes_per_token + queued
+    def room(self, kv_bytes: int, queued: int, prefill: bool) -> int:
+        """What the loan may hold now: the reserves less the batch's KV (`kv_bytes`: the
+        most it will grow to, batch_kv_bytes), states queued for disk, and a
+        prefill's room if one comes."""
+        used = kv_bytes + queued
         return max(0, self.lendable - used - (self.prefill_bytes if prefill else 0))
+
+    def batch_kv_bytes(self, tokens: list[int]) -> int:
+        """The most KV a batch of sequences that end at `tokens` (prompt + whole answer)
+        holds: mlx-lm's batch cache pads every sequence to the longest, in blocks of
+        KV_STEP tokens."""
+        if not tokens:
+            return 0
+        longest = -(-max(tokens) // KV_STEP) * KV_STEP
+        return len(tokens) * longest * self.kv_bytes_per_token
 
     def settle(self, room: int, grow: bool) -> None:
         """Give back what `room` no longer holds; with `grow`, lend the rest (decode)."""
