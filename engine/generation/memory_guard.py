@@ -125,12 +125,13 @@ class MemoryGuard:
         ends = [*self._ends(active), *(t for h in handles for t in _choice_ends(h.request))]
         kv = max(stats.kv_cache_bytes, lending.batch_kv_bytes(ends))
         room = lending.room(kv, self._queued(), prefill=True)
-        lending.settle(room, grow=False)
+        # Through a prefill the loan keeps no more than the KV room: its peak is not
+        # checked against what is free, so the runtime's reserve stays the runtime's.
+        lending.settle(max(0, room - lending.runtime_bytes), grow=False)
         # What the loan does not hold is the prefill's: a larger chunk, or a layer's
         # float copies kept, where the prompts are shorter than the context.
         prompts = sum(len(h.request.prompt_tokens) for h in handles)
-        prefill_room = room - lending.lent_bytes() + lending.prefill_bytes
-        self.prefill_choice = lending.prefill_settings(prefill_room, prompts)
+        self.prefill_choice = lending.prefill_settings(lending.prefill_room(room), prompts)
 
     def admits(self, reserved: int, request: GenerationRequest) -> bool:
         """Whether `request` may join a batch whose sequences hold `reserved` KV tokens

@@ -1,9 +1,12 @@
 """Streamed layers resident on loan: the dense plan's room while nothing uses it.
 
 The dense memory plan (denseplan.py) sets aside KV for its whole memory-bound
-context and a prefill's working memory, so that any request it admits fits.
-Most of the time neither is used in full: a decode step holds no prefill, and
-a conversation shorter than the context holds less KV. That room is lent:
+context, a prefill's working memory and the runtime's, so that any request it
+admits fits. Most of the time none is used in full: a decode step holds no
+prefill, a conversation shorter than the context holds less KV, and the
+runtime's reserve is a margin. That room is lent, never past the memory the
+system reports available (less what the plan keeps free for the libraries'
+code):
 
 * first to prefetch depth, up to the configured depth, where the plan gave
   some up (a layer's read in flight while another computes);
@@ -44,6 +47,7 @@ class Lending:
     planned_depth: int  # the plan's prefetch depth
     max_depth: int  # the configured one
     keep_free: int = 0  # available memory the loan never takes: the plan's kept free
+    runtime_bytes: int = 0  # of `lendable`: lent only as far as really free, never to a prefill
     lent_bytes_peak: int = 0
 
     @classmethod
@@ -53,7 +57,13 @@ class Lending:
             return None  # the dense plan's loan only
         return cls(
             streamer,
-            lendable=plan.kv_reserve_bytes + plan.prefill_reserve_bytes,
+            # The runtime's reserve too: what of it the Python heap and MLX's pool do
+            # not use is free memory, which the worker's check of what is really
+            # available (memory_guard.py) lends no further than it goes.
+            lendable=plan.kv_reserve_bytes
+            + plan.prefill_reserve_bytes
+            + plan.runtime_reserve_bytes,
+            runtime_bytes=plan.runtime_reserve_bytes,
             prefill_bytes=plan.prefill_reserve_bytes,
             kv_bytes_per_token=kv_bytes_per_token,
             planned_depth=int(plan.prefetch_depth or 0),
@@ -108,6 +118,12 @@ class Lending:
         streamer.prefetch_depth = depth
         streamer.lend_room = max(0, room - lent) if grow else 0
         self.lent_bytes_peak = max(self.lent_bytes_peak, lent)
+
+    def prefill_room(self, room: int) -> int:
+        """A prefill's room, given the loan's `room` for it (room(prefill=True)): the
+        plan's prefill reserve and the KV room the loan does not hold, not the
+        runtime's reserve (a prefill's peak is not checked against what is free)."""
+        return max(0, room - self.runtime_bytes - self.lent_bytes()) + self.prefill_bytes
 
     def prefill_settings(self, room: int, tokens: int) -> tuple[int, bool]:
         """(chunk tokens, keep a layer's float copies) for a prefill of prompts reaching
