@@ -226,6 +226,7 @@ def test_a_dense_model_larger_than_its_cgroup_serves_within_a_plan_that_fits(
         assert (card["context_length"], card["model_context_length"]) == (context, model_context)
 
         _context_errors(server, http, card["id"], context)
+        _kv_admission(server, plan["kv_budget_tokens"], context)
 
         # A prompt that fills the memory-bound context, then its next turn; /health
         # answers at once while the prefill runs (it never waits for the worker).
@@ -402,3 +403,30 @@ def test_a_prefill_takes_a_larger_chunk_where_its_prompt_leaves_room() -> None:
     assert lending.prefill_settings(need(256, True, 1000), 1000) == (256, True)
     assert lending.prefill_settings(10 * need(512, True, 1000), 1000) == (512, True)
     assert lending.prefill_settings(0, 1000) == (64, False)  # never below the plan's
+
+
+def _kv_admission(server, budget: int, context: int) -> None:
+    """Two requests that each fit the context but not the batch's KV together: the
+    second waits in the queue until the first has ended; both are served."""
+    size = min(context - 8, budget // 2 + 32)
+    assert 2 * size > budget >= size
+    seen: list[tuple[int, int]] = []
+    replies: list = []
+
+    def complete(first: int) -> None:
+        body = {"prompt": [first] + [21] * (size - 9), "max_tokens": 8, "temperature": 0}
+        replies.append(
+            server.http(timeout=600).post("/v1/completions", json={**body, "logit_bias": NO_EOS})
+        )
+
+    threads = [threading.Thread(target=complete, args=(t,), daemon=True) for t in (30, 31)]
+    for thread in threads:
+        thread.start()
+    probe = server.http(timeout=30)
+    while any(t.is_alive() for t in threads):
+        stats = probe.get("/health").json()["stats"]
+        seen.append((stats["active"], stats["queued"]))
+        time.sleep(0.02)
+    assert [r.status_code for r in replies] == [200, 200], [r.text for r in replies]
+    assert max(active for active, _ in seen) == 1, seen  # never both in the batch
+    assert any(queued == 1 for _, queued in seen), seen  # one waited

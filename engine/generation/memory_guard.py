@@ -1,12 +1,14 @@
 """What the worker watches to serve inside a memory plan.
 
 * KV admission. The dense memory plan (streaming/denseplan.py) reserves KV
-  for a number of tokens, the memory-bound context. A request that needs more
-  on its own is refused by the server before it gets here (the context-length
-  error of its dialect: loaded.context_length is that bound). Requests that fit
-  alone but not beside the batch wait in the queue, first come first served,
-  until enough of the batch has ended: the KV of every sequence in the batch
-  (its prompt and its whole answer, one per choice) stays within the plan.
+  for the memory-bound context, and for the whole batch as many tokens as the
+  limit holds (`kv_budget_tokens`, at least that context). A request that
+  needs more than the context on its own is refused by the server before it
+  gets here (the context-length error of its dialect: loaded.context_length
+  is that bound). Requests that fit alone but not beside the batch wait in the
+  queue, first come first served, until enough of the batch has ended: the KV
+  of every sequence in the batch (its prompt and its whole answer, one per
+  choice) stays within the plan.
 * Memory checks every MEMORY_CHECK_INTERVAL decode steps (the residency
   manager sheds under pressure: streaming/residency.py).
 * The plan's unused KV and prefill room lent to streamed layers while decode
@@ -96,7 +98,7 @@ class MemoryGuard:
         """The guard of `loaded`; `prefill` (generation/prefill.py's) then asks it for
         each prefill's chunk and float copies."""
         plan = getattr(getattr(loaded, "streamer", None), "memory_plan", None)
-        guard = cls(loaded, getattr(plan, "context_tokens", None), prompt_cache)
+        guard = cls(loaded, getattr(plan, "kv_budget_tokens", None), prompt_cache)
         if guard.lending is not None and prefill is not None:
             prefill.settings_for = guard.take_prefill_choice
         return guard

@@ -218,11 +218,14 @@ def plan_dense(
     spare = available - r.fixed() - r.buffers - layers
     context = _widen_context(s, shape, fits, count)
     r = reserves(count < n)
+    # Past the model's context, what is left is KV for more sequences at once.
+    left = available - r.fixed() - r.buffers - layers
+    budget = context + max(0, left) // max(shape.kv_bytes_per_token, 1)
     reasons.append(
         f"{count}/{n} layers resident ({fmt_bytes(layers)}); the memory-bound context is "
-        f"{context} tokens (the model's {shape.context_length}): KV {fmt_bytes(r.kv)}, "
-        f"prefill {fmt_bytes(r.prefill)} ({s.chunk}-token chunks), "
-        f"spare before widening {fmt_bytes(max(spare, 0))}"
+        f"{context} tokens (the model's {shape.context_length}), the batch's KV "
+        f"{budget} tokens: KV {fmt_bytes(r.kv)}, prefill {fmt_bytes(r.prefill)} "
+        f"({s.chunk}-token chunks), spare before widening {fmt_bytes(max(spare, 0))}"
     )
     plan = MemoryPlan(
         limit_bytes=int(limit),
@@ -246,6 +249,7 @@ def plan_dense(
         reasons=reasons,
         file_reserve_bytes=r.free,
         context_tokens=context,
+        kv_budget_tokens=budget,
         prefill_step_size=s.chunk,
         prefetch_depth=s.prefetch_depth,
     )

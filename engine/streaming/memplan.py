@@ -121,6 +121,7 @@ class MemoryPlan:
     # The dense plan's (streaming/denseplan.py); None or 0 in the expert cache's
     file_reserve_bytes: int = 0  # kept free: the shed floor + headroom, or the code's pages
     context_tokens: int | None = None  # the memory-bound context
+    kv_budget_tokens: int | None = None  # KV tokens of the whole batch (>= the context)
     prefill_step_size: int | None = None
     prefetch_depth: int | None = None
 
