@@ -19,7 +19,7 @@ from mlx_lm.utils import load as mlx_load
 from flashserve.engine.speculative import batch as speculative_batch
 from flashserve.engine.speculative.adaptive import (
     FIRST_PAUSE,
-    SAMPLES,
+    PLAIN_SAMPLES,
     CostModel,
     Sequence,
     SpeculativeStats,
@@ -28,12 +28,13 @@ from flashserve.engine.speculative.batch import Speculation, SpeculativeConfig
 
 
 def measured(times: dict[tuple[int, int], float], max_draft: int = 8) -> CostModel:
-    """A cost model that measured SAMPLES steps of each (batch size, width): seconds."""
+    """A cost model that measured PLAIN_SAMPLES steps of each (batch size, width):
+    seconds (each size's plain steps first)."""
     cost = CostModel(max_draft)
     clock = 0.0
     for (batch, width), seconds in times.items():
         uids = tuple(range(batch))
-        for _ in range(SAMPLES + 1):
+        for _ in range(PLAIN_SAMPLES + 1):
             cost.begin(clock, width, uids)
             clock += seconds
         cost.end(clock, ())  # another batch: the last interval closes unrecorded
@@ -75,9 +76,25 @@ def test_a_batch_that_does_not_pay_tries_again_after_doubling_pauses() -> None:
     assert cost.stops == 1
 
 
-def test_another_batch_sizes_ratio_estimates_an_unmeasured_width() -> None:
+def test_costs_are_in_plain_steps_and_carry_over_to_another_batch_size() -> None:
     cost = measured({(1, 0): 0.010, (1, 1): 0.030, (2, 0): 0.012})
-    assert cost.estimate(2, 1) == pytest.approx(0.036)  # 3 plain steps, as at one sequence
+    assert cost.estimate(1, 1) == pytest.approx(3.0)
+    assert cost.estimate(2, 1) == pytest.approx(3.0)  # as at one sequence, until measured
+
+
+def test_a_pass_is_costed_against_the_plain_steps_just_before_it() -> None:
+    """Passes measured at 1.5 plain steps while the machine was quiet; then it gets
+    busy and plain steps take twice as long. Against absolute times a pass would now
+    look cheaper than a plain step; as a ratio it still costs 1.5, and drafts three in
+    ten of which are accepted still do not pay."""
+    cost = measured({(1, 0): 0.010, (1, 1): 0.015})
+    uids, clock = (0,), 1.0
+    for _ in range(PLAIN_SAMPLES + 1):
+        cost.begin(clock, 0, uids)
+        clock += 0.020
+    cost.end(clock, uids)
+    assert cost.estimate(1, 1) == pytest.approx(1.5)
+    assert cost.plan(1, [(1.0, 0.3, 100)]) == 0
 
 
 def test_one_slow_step_does_not_move_the_estimate() -> None:
@@ -86,7 +103,7 @@ def test_one_slow_step_does_not_move_the_estimate() -> None:
     for seconds in (0.011, 0.2, 0.011):  # another process took the cores once
         cost.begin(0.0, 1, uids)
         cost.end(seconds, uids)
-    assert cost.estimate(1, 1) == pytest.approx(0.011)
+    assert cost.estimate(1, 1) == pytest.approx(1.1)
 
 
 def test_shadow_drafts_judge_prompt_lookup_while_the_batch_does_not_draft() -> None:

@@ -14,11 +14,13 @@ when one of its sequences would gain alone.
 
 Everything is measured, per batch size:
 
-* T(B, k): the median of the last SAMPLES step times of each width run. A
-  width not run yet at this size is estimated from another size's measured
-  ratio to a plain step, else from the longest shorter width run plus
-  PRIOR_SLOPE plain steps per token; widths are explored upwards, doubling,
-  so a costly long pass is met once.
+* T(B, k) / T(B, 0): each pass's time over the median of the plain steps
+  of its size just before it (the median of the last SAMPLES of them). A
+  width not run yet at this size is estimated on the line through the two
+  longest widths run below it (a plain step as width 0), else from the
+  nearest size that ran it, else as PRIOR_SLOPE plain steps per drafted
+  token; widths are explored upwards, doubling, so a costly long pass is met
+  once.
 * f and a per sequence, from its passes; and, for prompt lookup, from shadow
   drafts while its batch does not draft: the draft lookup would have made is
   compared with the tokens the model then produced (greedy: what a pass would
@@ -48,7 +50,8 @@ SMOOTHING = 0.3  # weight of the newest observation in a sequence's running esti
 PRIOR_ACCEPTANCE = 0.6  # a new sequence's assumed per-token acceptance
 PRIOR_WEIGHT = 2.0  # ... worth this many drafted tokens of evidence
 PRIOR_SLOPE = 0.05  # the assumed extra cost of one more drafted token, in plain steps
-SAMPLES = 5  # step times kept per (batch size, width); one slowed by other work is outvoted
+SAMPLES = 5  # pass costs kept per (batch size, width); one slowed by other work is outvoted
+PLAIN_SAMPLES = 9  # plain step times kept per batch size: the yardstick, so more of them
 FIRST_PAUSE = 8  # plain steps before a batch whose drafting does not pay tries again
 MAX_PAUSE = 256
 # Expected tokens per second must beat plain steps' by this factor: the margin
@@ -144,7 +147,7 @@ class Sequence:
 
 
 class CostModel:
-    """Step times per batch size and draft width, and the per-step plan.
+    """Step costs per batch size and draft width, in plain steps, and the per-step plan.
 
     A step's time runs from its start to the next step's start; a step that
     waits for the pending tokens (to draft after them) starts after that wait,
@@ -154,11 +157,18 @@ class CostModel:
     more handling). An interval across a change of the batch (a request
     joining, leaving, or the worker waiting for one) is not a step's time and
     is dropped.
+
+    A pass's time is kept as a ratio to the plain steps of its batch size just
+    before it: on a machine shared with other work both slow down together,
+    and a plan made from absolute times would draft exactly when plain steps
+    happened to be slow (a decision on noisy estimates picks the noise that
+    favours it).
     """
 
     def __init__(self, max_draft: int) -> None:
         self.max_draft = max_draft
-        self._samples: dict[tuple[int, int], deque[float]] = {}
+        self._plain: dict[int, deque[float]] = {}  # batch size -> plain step times
+        self._ratios: dict[tuple[int, int], deque[float]] = {}  # (size, width) -> pass/plain
         self._open: tuple[float, int, tuple[int, ...]] | None = None  # start, width, uids
         self._paying = True  # the last plan found a width that pays
         self._pause = 0  # plain steps left before a batch that does not pay tries again
@@ -172,11 +182,14 @@ class CostModel:
 
     def end(self, now: float, uids: tuple[int, ...]) -> None:
         """The open step ends now; its time is recorded if the batch is the same."""
-        if self._open is not None:
-            start, width, batch = self._open
-            if batch == uids:
-                key = (len(uids), width)
-                self._samples.setdefault(key, deque(maxlen=SAMPLES)).append(now - start)
+        if self._open is not None and self._open[2] == uids:
+            start, width, _ = self._open
+            size = len(uids)
+            if width == 0:
+                self._plain.setdefault(size, deque(maxlen=PLAIN_SAMPLES)).append(now - start)
+            elif size in self._plain:
+                ratios = self._ratios.setdefault((size, width), deque(maxlen=SAMPLES))
+                ratios.append((now - start) / statistics.median(self._plain[size]))
         self._open = None
 
     @property
@@ -186,50 +199,49 @@ class CostModel:
         return self._open is not None and self._open[1] > 0
 
     def estimate(self, batch: int, width: int) -> float:
-        """A step's time, measured or estimated; inf for a width not to be tried yet."""
-        plain = self._median(batch, 0)
-        run = {w: self._median(b, w) for b, w in self._samples if b == batch and w > 0}
-        floor = max([plain, *(s for w, s in run.items() if w < width)])
+        """A step's cost in plain steps of its batch size, measured or estimated; inf
+        for a width not to be tried yet."""
+        run = {w: statistics.median(r) for (b, w), r in self._ratios.items() if b == batch}
+        floor = max([1.0, *(c for w, c in run.items() if w < width)])
         if width in run:  # never below a shorter pass's: a longer one does its work too
             return max(run[width], floor)
         if width > max(2, 2 * max(run, default=1)):
             return math.inf
-        for _, b in sorted((abs(b - batch), b) for b, w in self._samples if w == width):
-            if (b, 0) in self._samples:  # that batch size's measured ratio to a plain step
-                return max(plain * self._median(b, width) / self._median(b, 0), floor)
-        below = max((w for w in run if w < width), default=0)
-        base = run.get(below, plain)
-        return max(base + PRIOR_SLOPE * plain * (width - below), floor)
-
-    def _median(self, batch: int, width: int) -> float:
-        return statistics.median(self._samples[batch, width])
+        below = sorted(w for w in run if w < width)
+        if below:  # the line through the two longest widths below, plain steps as width 0
+            w1, w0 = below[-1], below[-2] if len(below) > 1 else 0
+            slope = max(PRIOR_SLOPE, (run[w1] - run.get(w0, 1.0)) / (w1 - w0))
+            return max(run[w1] + slope * (width - w1), floor)
+        others = sorted((abs(b - batch), b) for b, w in self._ratios if w == width)
+        if others:  # the nearest batch size's measured cost for this width
+            return max(statistics.median(self._ratios[others[0][1], width]), floor)
+        return 1.0 + PRIOR_SLOPE * width
 
     def plan(self, batch: int, candidates: list[tuple[float, float, int]]) -> int:
         """This step's draft width (0: a plain step) for a batch of `batch` sequences, of
         which `candidates` may draft: (found, acceptance, tokens of room after the
         pending one) each."""
-        if (batch, 0) not in self._samples or not candidates:
-            return 0  # a plain step first: the yardstick
-        plain = self._median(batch, 0)
-        run = {w for b, w in self._samples if b == batch and w > 0}
+        if batch not in self._plain or not candidates:
+            return 0  # plain steps first: the yardstick
+        run = {w for b, w in self._ratios if b == batch}
         widths = sorted({1, 2, 4, 8, 16, 32, 64, *run})
-        best, best_rate = 0, 0.0
+        best, best_rate = 0, 0.0  # rate: tokens per plain step's time
         retry, retry_rate = 1, 0.0  # the best width run already: what a try re-measures
         for width in (w for w in widths if 0 < w <= self.max_draft):
-            seconds = self.estimate(batch, width)
-            if seconds == math.inf:
+            cost = self.estimate(batch, width)
+            if cost == math.inf:
                 break
             gain, none = 0.0, 1.0
             for found, acceptance, room in candidates:
                 k = min(width, room)
                 gain += found * (expected_tokens(acceptance, k) - 1.0)
                 none *= 1.0 - found
-            rate = (batch + gain) / ((1.0 - none) * seconds + none * plain)
+            rate = (batch + gain) / ((1.0 - none) * cost + none)
             if rate > best_rate:
                 best, best_rate = width, rate
             if width in run and rate > retry_rate:
                 retry, retry_rate = width, rate
-        if best_rate > MIN_GAIN * batch / plain:
+        if best_rate > MIN_GAIN * batch:
             self._paying, self._next_pause = True, FIRST_PAUSE
             return best
         if self._paying:  # it stopped paying: plain steps, then a try
