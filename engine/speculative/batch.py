@@ -256,6 +256,9 @@ class SpeculativeBatch(internals.GenerationBatchState):
             internals.set_context_size(self.token_contexts[i], size + kept_tokens[i])
         if saved is None:
             roll_back(self.prompt_cache, [width + 1 - k for k in kept_tokens])
+            # The roll copies each layer's keys up to the write position: run it now,
+            # so that its time counts in this pass's cost and not in the next step's.
+            mx.eval([c.state for c in self.prompt_cache])
         elif min(kept_tokens) < width + 1:
             kept = [e[:k] for e, k in zip(emitted, kept_tokens, strict=True)]
             self._recompute(saved, width + 1, kept)

@@ -7,7 +7,10 @@ keys every sequence rejected are trimmed (`trim`), and a sequence that
 rejected more rolls its extra rejected keys round to the front of its row,
 where they become left padding that attention masks out. The rows then read
 as if the rejected tokens had never been run: same keys, same offsets (the
-tests check the cache equals a non-speculative run's).
+tests check the cache equals a non-speculative run's). A rolled row's keys
+are copied whole: in a batch whose rows keep different counts a pass costs
+that copy too, about as much as the pass's attention reading them (the pass
+evaluates it, so the adaptive plan counts it in the pass's cost).
 
 Recurrent layers (ArraysCache: qwen3_next, qwen3_5's Gated DeltaNet conv and
 recurrent state) cannot be trimmed: their state is snapshotted before the
@@ -23,7 +26,7 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, BatchKVCache, dynamic_roll
+from mlx_lm.models.cache import ArraysCache, BatchKVCache
 
 from flashserve.engine.speculative.mlx_lm_internals import right_padding_pending, write_position
 
@@ -76,12 +79,16 @@ def roll_back(cache: list[BatchKVCache], drop: list[int]) -> None:
     extra = [d - common for d in drop]
     if not any(extra):
         return
-    shifts = mx.array(extra)[:, None]
+    shifts = mx.array(extra)
     for c in cache:
         end = write_position(c)
-        # The buffer cut at the write position, so the roll wraps the rejected
-        # keys to the front and not into the unused tail.
-        c.keys = dynamic_roll(c.keys[..., :end, :], shifts, axis=2)
-        c.values = dynamic_roll(c.values[..., :end, :], shifts, axis=2)
-        c.left_padding = c.left_padding + shifts[:, 0]
-        c.offset = c.offset - shifts[:, 0]
+        # Only the rows that rejected more are rolled (each copies its keys, up to
+        # the write position, so the rejected keys wrap to the front and not into
+        # the unused tail), written back into the buffer, which keeps its size
+        # (cut to `end`, it would be copied again to grow at the next write).
+        for i, shift in enumerate(extra):
+            if shift:
+                c.keys[i : i + 1, :, :end] = mx.roll(c.keys[i : i + 1, :, :end], shift, axis=2)
+                c.values[i : i + 1, :, :end] = mx.roll(c.values[i : i + 1, :, :end], shift, axis=2)
+        c.left_padding = c.left_padding + shifts
+        c.offset = c.offset - shifts
