@@ -14,13 +14,13 @@ when one of its sequences would gain alone.
 
 Everything is measured, per batch size:
 
-* T(B, k) / T(B, 0): each pass's time over the median of the plain steps
-  of its size just before it (the median of the last SAMPLES of them). A
-  width not run yet at this size is estimated on the line through the two
-  longest widths run below it (a plain step as width 0), else from the
-  nearest size that ran it, else as PRIOR_SLOPE plain steps per drafted
-  token; widths are explored upwards, doubling, so a costly long pass is met
-  once.
+* T(B, k) / T(B, 0): each pass's time over the median of the last
+  PLAIN_SAMPLES plain steps of its size before it; the median of the last
+  SAMPLES such ratios per width. A width not run yet at this size is
+  estimated on the line through the two longest widths run below it (a plain
+  step as width 0), else from the nearest size that ran it, else as
+  PRIOR_SLOPE plain steps per drafted token; widths are explored upwards,
+  doubling, so a costly long pass is met once.
 * f and a per sequence, from its passes; and, for prompt lookup, from shadow
   drafts while its batch does not draft: the draft lookup would have made is
   compared with the tokens the model then produced (greedy: what a pass would
@@ -29,8 +29,8 @@ Everything is measured, per batch size:
 
 Estimates go stale (a cost measured while the machine was busy, a draft
 model's acceptance, which has no shadow): a batch that does not draft tries a
-pass again after FIRST_PAUSE steps, then after twice as many each time it
-still does not pay (at most MAX_PAUSE).
+pass at the best width already run after FIRST_PAUSE steps, then after twice
+as many each time it still does not pay (at most MAX_PAUSE).
 """
 
 from __future__ import annotations
