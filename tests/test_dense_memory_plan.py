@@ -18,11 +18,13 @@ import anthropic
 import mlx.core as mx
 import openai
 import pytest
+from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load as mlx_lm_load
 
 from flashserve.engine.config import EngineConfig
 from flashserve.engine.generation import memory_guard
 from flashserve.engine.generation.memory_guard import MemoryGuard
+from flashserve.engine.generation.prefill import LayerMajorPrefill, PrefillJob
 from flashserve.engine.generation.stats import WorkerStats
 from flashserve.engine.loader import load
 from flashserve.engine.streaming.denseplan import (
@@ -430,3 +432,31 @@ def _kv_admission(server, budget: int, context: int) -> None:
     assert [r.status_code for r in replies] == [200, 200], [r.text for r in replies]
     assert max(active for active, _ in seen) == 1, seen  # never both in the batch
     assert any(queued == 1 for _, queued in seen), seen  # one waited
+
+
+def test_a_prefill_from_a_restored_prefix_does_not_hold_it_twice(tmp_path_factory) -> None:
+    """A next turn starts from a restored state; its chunks' cache copies (which report
+    the offset the masks read) must not keep the restored KV alive beside the cache
+    it grows into until the chunk's last layer: that was the state held twice, and
+    the next turn under a 0.65x cap was OOM-killed."""
+    prepared = prepared_model(tmp_path_factory, "llama")
+    loaded = load(EngineConfig(model=str(prepared), resident_layers=0, prefetch_depth=0))
+    prefill = LayerMajorPrefill.for_model(
+        loaded.model, loaded.config, chunk_tokens=64, group_bytes=1 << 30, streamer=loaded.streamer
+    )
+    assert prefill is not None
+    cache = make_prompt_cache(loaded.model)
+    first = [5 + i % 200 for i in range(1000)]  # 1,000 tokens: its KV fills 1,024 exactly
+    prefill.run([PrefillJob(first, cache)])
+    mx.eval([c.state for c in cache])
+    restored = sum(c.nbytes for c in cache)
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    prefill.run([PrefillJob([7] * 40, cache)])  # grows every layer's KV past 1,024
+    mx.eval([c.state for c in cache])
+    grown = sum(c.nbytes for c in cache) - restored
+    over = mx.get_peak_memory() - base
+    # The grown cache (new blocks: mlx-lm concatenates), one layer's old KV while
+    # it is replaced, the chunks' activations; not the whole restored KV again.
+    layers = len(cache)
+    assert over < restored + grown + restored * 1.5 / layers, (over, restored, grown, layers)

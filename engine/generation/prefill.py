@@ -86,6 +86,7 @@ class _Chunk:
     start: int  # cache offset at the chunk's start
     last: bool = False  # the job's last token
     proxies: dict[int, Any] = field(default_factory=dict)  # id(copy) -> real cache
+    copies: list[Any] = field(default_factory=list)  # those copies
     glet: greenlet | None = None
     message: tuple | None = None  # where it waits: ("layer", i) / ("moe", layer, x, ids)
     out: mx.array | None = None  # the last layer's output
@@ -202,6 +203,7 @@ class LayerMajorPrefill:
         for chunk in chunks:
             proxies = [_proxy(c, chunk.start) for c in chunk.job.cache]
             chunk.proxies = {id(p): c for p, c in zip(proxies, chunk.job.cache, strict=True)}
+            chunk.copies = proxies
             chunk.glet = greenlet(_forward(self.model, chunk, proxies))
         gates = [_Gate(self, i, layer) for i, layer in enumerate(self.layers)]
         self._main = greenlet.getcurrent()
@@ -243,6 +245,11 @@ class LayerMajorPrefill:
                     f"{type(self.model).__module__}: the forward does not start at "
                     f"decoder layer 0 of its layer list (got {chunk.message!r})"
                 )
+            # The masks are made: the copies' arrays would keep a restored prefix's
+            # KV alive beside the cache it grows into, to the chunk's last layer.
+            for copy_ in chunk.copies:
+                if type(copy_).__name__ in _PLAIN_KV:
+                    copy_.keys = copy_.values = None
 
     def _layer_round(self, index: int, chunks: list[_Chunk]) -> None:
         self._round = index
@@ -365,6 +372,11 @@ def _snapshot(job: PrefillJob, index: int) -> None:
         state = copy.deepcopy(job.cache[index])
         mx.eval(_state([state], 0))
         job.prefix_state[index] = state
+
+
+# Caches whose copies hold nothing after the masks are made but their arrays
+# (mlx-lm's, and kv/cache.py's quantized one): the gates hand layers the real cache.
+_PLAIN_KV = ("KVCache", "QuantizedKVCache", "QuantizedSeqKVCache")
 
 
 def _offset(cache: list[Any]) -> int:

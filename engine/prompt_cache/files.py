@@ -186,16 +186,43 @@ def write(
             f.write(_PREAMBLE.pack(MAGIC, FORMAT_VERSION, len(header), header_digest))
             f.write(header)
             for _, _, view in arrays:
-                f.write(view)
+                if drop_page_cache:
+                    _write_through(f, view)
+                else:
+                    f.write(view)
             f.flush()
             os.fsync(f.fileno())
-            if drop_page_cache and hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+            _drop_pages(f.fileno(), drop_page_cache)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     return path.stat().st_size
+
+
+# Under a memory limit a file's dirty and cached pages are charged to it: a state
+# of a few hundred MB written or read at once would take that much room from the
+# libraries' code (and the kernel thrashes to write it back). In pieces of this
+# size, each on disk and out of the page cache before the next.
+THROUGH_BYTES = 16 << 20
+
+
+def _write_through(f: Any, view: memoryview) -> None:
+    """Write `view` a piece at a time, each piece synced and dropped from the page cache."""
+    data = memoryview(view).cast("B")
+    for start in range(0, len(data), THROUGH_BYTES):
+        f.write(data[start : start + THROUGH_BYTES])
+        f.flush()
+        if hasattr(os, "fdatasync"):
+            os.fdatasync(f.fileno())
+        else:  # macOS
+            os.fsync(f.fileno())
+        _drop_pages(f.fileno(), True)
+
+
+def _drop_pages(fd: int, drop: bool) -> None:
+    if drop and hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
 
 def read_header(path: Path, model: str) -> EntryHeader:
@@ -225,12 +252,14 @@ def read(path: Path, model: str, drop_page_cache: bool = False) -> Segment:
         buffers = []
         for dtype, shape, nbytes in specs:
             buffer, raw = allocate(max(int(nbytes), 1), unwritten=True)
-            if nbytes and f.readinto(memoryview(raw)[:nbytes]) != nbytes:
-                raise EntryError("truncated payload")
-            digest.update(memoryview(raw)[:nbytes])
+            view = memoryview(raw)[:nbytes]
+            for start in range(0, nbytes, THROUGH_BYTES):  # each piece out of the page cache
+                piece = view[start : start + THROUGH_BYTES]
+                if f.readinto(piece) != len(piece):
+                    raise EntryError("truncated payload")
+                _drop_pages(f.fileno(), drop_page_cache)
+            digest.update(view)
             buffers.append((dtype, shape, buffer if nbytes == buffer.size else buffer[:nbytes]))
-        if drop_page_cache and hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
     if digest.hexdigest() != header["payload"]:
         raise EntryError("payload checksum mismatch")
     return Segment(_entry_header(header, model, size), _build(header["skeleton"], buffers))
