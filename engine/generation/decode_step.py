@@ -38,6 +38,11 @@ import mlx.nn as nn
 from mlx_lm.models.cache import BatchKVCache
 
 from flashserve.engine.compute import qmm, step_ops
+from flashserve.engine.speculative.mlx_lm_internals import (
+    right_padding_pending,
+    set_write_position,
+    write_position,
+)
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +111,7 @@ class CompiledDecode:
             return self.model(inputs, cache=cache)
 
     def _compiled(self, inputs: mx.array, cache: list[BatchKVCache]) -> mx.array:
-        idx = cache[0]._idx
+        idx = write_position(cache[0])
         for c in cache:
             _make_room(c, inputs.shape[0])
         capacity = cache[0].keys.shape[2]
@@ -133,7 +138,7 @@ class CompiledDecode:
             # updates write in place when it runs, as BatchKVCache's do.
             c.keys, c.values = new[2 * i : 2 * i + 2]
             c.offset = offset
-            c._idx = idx + inputs.shape[1]
+            set_write_position(c, idx + inputs.shape[1])
         self.steps += 1
         return logits
 
@@ -157,8 +162,8 @@ def _eligible(inputs: mx.array, cache: list[Any] | None) -> bool:
         return False
     if not all(type(c) is BatchKVCache and c.keys is not None for c in cache):
         return False
-    idx = cache[0]._idx
-    return all(c._idx == idx and c._right_padding is None for c in cache)
+    idx = write_position(cache[0])
+    return all(write_position(c) == idx and not right_padding_pending(c) for c in cache)
 
 
 def _make_room(c: BatchKVCache, batch: int) -> None:
@@ -167,7 +172,7 @@ def _make_room(c: BatchKVCache, batch: int) -> None:
     Through its own update_and_fetch (a zero key, taken back with trim), so
     mlx-lm keeps deciding how buffers grow.
     """
-    if c._idx < c.keys.shape[2]:
+    if write_position(c) < c.keys.shape[2]:
         return
     k, v = c.keys, c.values
     c.update_and_fetch(

@@ -1,4 +1,7 @@
-"""The mlx-lm internals speculative decoding relies on, named in this module alone.
+"""The mlx-lm internals flashserve relies on, named in this module alone.
+
+Speculative decoding uses most of them; the compiled decode step
+(generation/decode_step.py) reads and moves BatchKVCache's write position too.
 
 mlx-lm's continuous batching has no public hook for a step that emits several
 tokens per sequence, nor for taking a batch's KV cache back per sequence, so
@@ -97,6 +100,11 @@ def live_uids(batch: BatchGenerator, uids: list[int]) -> set[int]:
 def write_position(cache: BatchKVCache) -> int:
     """The position the next keys are written at, shared by every sequence."""
     return cache._idx
+
+
+def set_write_position(cache: BatchKVCache, position: int) -> None:
+    """Move the position the next keys are written at (a compiled step wrote them)."""
+    cache._idx = position
 
 
 def right_padding_pending(cache: BatchKVCache) -> bool:
