@@ -79,9 +79,13 @@ def test_quick_dense_cap_section_runs_uncapped_and_capped_and_prints_its_targets
     capped = rows[1]
     assert _number(capped["cgroup peak MB"]) <= 27 * _model_mb(tmp_path)
     resident, layers = (int(n) for n in capped["resident layers"].split("/"))
-    assert rows[0]["resident layers"] == f"{layers}/{layers}" and resident < layers
-    # Streamed layers read from disk per token: the I/O bound is theirs.
-    assert _number(capped["MB read/token"]) > 0 and _number(capped["I/O bound tok/s"]) > 0
+    assert rows[0]["resident layers"] == f"{layers}/{layers}" and resident <= layers
+    # Where the plan streams layers (the tiny model may fit, and layers lent while
+    # decode runs count as resident), they are read from disk per token and the I/O
+    # bound is theirs; the uncapped run reads nothing.
+    streams = _number(capped["MB read/token"]) >= 1
+    assert (capped["I/O bound tok/s"] != "-") == streams, capped
+    assert rows[0]["MB read/token"] == "0" and rows[0]["I/O bound tok/s"] == "-"
     assert "decode / uncapped" in proc.stdout.split("Cap targets, dense")[1]
     assert (tmp_path / "cap-dense-quick" / "cap-dense-quick.gguf").exists()
 

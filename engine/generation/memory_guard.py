@@ -81,11 +81,13 @@ class MemoryGuard:
             if kv_budget is not None
             else None
         )
-        snap = self.streamer.snapshot() if self.streamer is not None else None
+        streamer = self.streamer
+        # The whole model, experts included (an expert cache reads those, not the
+        # layers): what one decode step reads at most with nothing resident.
         self.model_bytes = (
-            snap["non_layer_bytes"]
-            + sum(self.streamer.layer_bytes(i) for i in range(snap["num_layers"]))
-            if snap is not None
+            streamer.non_layer_bytes
+            + sum(info.dense_bytes + info.expert_bytes for info in streamer.layers)
+            if streamer is not None
             else 0
         )
         self.prefill_choice: tuple[int, bool] | None = None  # for the next prefill

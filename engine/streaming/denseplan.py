@@ -75,13 +75,21 @@ class DenseShape:
     """What the dense plan needs to know of a model (config + its layers' weights)."""
 
     layer_bytes: list[int]  # per decoder layer
-    kv_bytes_per_token: int
+    kv_bytes_per_token: int  # past every sliding window: what one more token adds at most
     held_bytes_per_token: int  # hidden states a layer-major prefill holds per prompt token
     context_length: int  # the model's own
     # (chunk tokens, context tokens) -> a chunk's activations and the logits
     activations: Callable[[int, int], int]
     float_copy_bytes: int  # a layer's float weight copies held while its chunks run
     float_slice_bytes: int  # the most float weight made at once without keeping them
+    # (context tokens, prefill chunk) -> the KV one sequence holds (kv/price.py: a
+    # sliding window keeps at most its window); None: context x kv_bytes_per_token
+    kv_bytes: Callable[[int, int], int] | None = None
+
+    def kv(self, tokens: int, chunk: int) -> int:
+        if self.kv_bytes is not None:
+            return self.kv_bytes(tokens, chunk)
+        return tokens * self.kv_bytes_per_token
 
 
 @dataclass
@@ -118,7 +126,7 @@ def _reserves(
         + (shape.float_copy_bytes if s.keep_float_copies else shape.float_slice_bytes)
         + s.context * shape.held_bytes_per_token
     )
-    kv = s.context * shape.kv_bytes_per_token
+    kv = shape.kv(s.context, s.chunk)
     return _Reserves(
         free=free,
         runtime=runtime,
@@ -339,7 +347,7 @@ def apply_dense_plan(config: EngineConfig, shape: DenseShape) -> MemoryPlan:
     memory = system_memory()
     disk_tier = config.prompt_cache_disk_bytes > 0
     context = MODES.get(config.residency_mode) or shape.context_length
-    kv = context * shape.kv_bytes_per_token
+    kv = shape.kv(context, int(config.prefill_step_size))
     tier = min(int(config.prompt_cache_bytes), kv // 2 if disk_tier else kv)
     settings = DenseSettings(
         prompt_cache_bytes=max(0, tier),

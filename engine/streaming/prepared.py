@@ -21,7 +21,7 @@ from mlx.utils import tree_flatten
 from flashserve.engine.compute import prompt_matmul, qmm
 from flashserve.engine.config import EngineConfig
 from flashserve.engine.experts.install import offload_from_config
-from flashserve.engine.kv.price import kv_bytes_per_token
+from flashserve.engine.kv.price import kv_bytes_per_token, kv_price
 from flashserve.engine.streaming.denseplan import DenseShape, apply_dense_plan, record_in
 from flashserve.engine.streaming.memplan import apply_memory_plan, is_auto
 from flashserve.engine.streaming.residency import (
@@ -198,18 +198,20 @@ def _float_copies(config: EngineConfig, layers: list[nn.Module]) -> tuple[int, i
 
 
 def _dense_shape(
+    model: nn.Module,
     model_config: dict,
     config: EngineConfig,
     copies: tuple[int, int],
     layer_bytes: list[int],
-    kv_per_token: int,
 ) -> DenseShape:
     """The dense plan's view of a model: `copies` from _float_copies."""
     text = model_config.get("text_config") or {}
     hidden = int(model_config.get("hidden_size") or text.get("hidden_size") or 4096)
+    price = kv_price(model, model_config, config.kv_bits, config.kv_group_size)
     return DenseShape(
         layer_bytes=layer_bytes,
-        kv_bytes_per_token=kv_per_token,
+        kv_bytes_per_token=price.unbounded + sum(per for per, _ in price.bounded),
+        kv_bytes=price.bytes,
         held_bytes_per_token=2 * hidden * compute_dtype().size,  # generation/prefill.py
         context_length=context_length_of(model_config),
         activations=dense_activations(model_config, config),
@@ -294,7 +296,7 @@ def load_prepared(path: Path, config: EngineConfig) -> LoadedModel:
     if dense_plan:
         # The dense memory plan writes its numbers into `config` (the worker's too);
         # streamed layers are read around the page cache it leaves no room for.
-        shape = _dense_shape(model_config, config, copies, layer_bytes, kv_per_token)
+        shape = _dense_shape(model, model_config, config, copies, layer_bytes)
         chunk, keep = int(config.prefill_step_size), bool(config.prefill_keep_float_copies)
         streamer.memory_plan = apply_dense_plan(config, shape)
         # What a prefill may take back while the loan leaves room (streaming/lending.py).
