@@ -16,11 +16,15 @@ from tests.conftest import _clean_env
 from tests.test_bench import REPO, _number, _tables
 
 
-def test_quick_cap_section_serves_in_a_cgroup_and_prints_its_row(tmp_path: Path) -> None:
+def _need_cgroups() -> None:
     if sys.platform != "linux" or os.geteuid() != 0:
         pytest.skip("the cap section creates cgroups: Linux, root")
     if not Path("/sys/fs/cgroup/memory/memory.limit_in_bytes").exists():
         pytest.skip("no cgroup v1 memory controller")
+
+
+def test_quick_cap_section_serves_in_a_cgroup_and_prints_its_row(tmp_path: Path) -> None:
+    _need_cgroups()
     cmd = [sys.executable, "-m", "flashserve.server.cli", "bench", "--", "--quick"]
     cmd += ["--sections", "cap", "--cap", "400MB", "--rounds", "1", "--tokens", "8"]
     cmd += ["--work-dir", str(tmp_path)]
@@ -56,10 +60,7 @@ def test_quick_dense_cap_section_runs_uncapped_and_capped_and_prints_its_targets
     """`--cap-model dense`: the quick dense GGUF, flashserve with --residency auto with no
     limit (its own reference decode) and under a cap given as a fraction of the
     prepared model; rows and the dense targets printed."""
-    if sys.platform != "linux" or os.geteuid() != 0:
-        pytest.skip("the cap section creates cgroups: Linux, root")
-    if not Path("/sys/fs/cgroup/memory/memory.limit_in_bytes").exists():
-        pytest.skip("no cgroup v1 memory controller")
+    _need_cgroups()
     cmd = [sys.executable, "-m", "flashserve.server.cli", "bench", "--", "--quick"]
     cmd += ["--sections", "cap", "--cap-model", "dense", "--cap", "27x", "--rounds", "1"]
     cmd += ["--tokens", "8", "--work-dir", str(tmp_path)]

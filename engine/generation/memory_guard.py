@@ -91,7 +91,6 @@ class MemoryGuard:
             else 0
         )
         self.prefill_choice: tuple[int, bool] | None = None  # for the next prefill
-        self.thrash_events = 0
         self._steps = 0
         self._read_at: int | None = process_read_bytes() if self.model_bytes else None
 
@@ -150,10 +149,12 @@ class MemoryGuard:
         if self.lending is not None:
             kv = max(stats.kv_cache_bytes, self.lending.batch_kv_bytes(self._ends(active)))
             room = self.lending.room(kv, self._queued(), prefill=False)
-            # Never past what is really free: memory the plan did not foresee (the
-            # Python heap, the allocator's slack) is not the loan's to hand out.
-            free = available_memory() - self.lending.keep_free
-            self.lending.settle(min(room, self.lending.lent_bytes() + free), grow=True)
+            lent = self.lending.lent_bytes()
+            if room > lent:
+                # Never past what is really free: memory the plan did not foresee (the
+                # Python heap, the allocator's slack) is not the loan's to hand out.
+                room = min(room, lent + available_memory() - self.lending.keep_free)
+            self.lending.settle(room, grow=True)
         if stats.steps % MEMORY_CHECK_INTERVAL == 0 and self.streamer is not None:
             self.streamer.check_memory()
         if self._read_at is None:
@@ -168,7 +169,6 @@ class MemoryGuard:
         per_step = (now - self._read_at) / self._steps
         self._read_at, self._steps = now, 0
         if per_step > AMPLIFICATION * self.model_bytes:
-            self.thrash_events += 1
             log.warning(
                 "reading %s from disk per decode step, %.1fx the model's %s: memory is "
                 "overcommitted (the plan's room taken by something else); shedding",

@@ -29,8 +29,6 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from flashserve.engine.streaming.residency import fmt_bytes
-
 log = logging.getLogger(__name__)
 
 KV_STEP = 256  # tokens mlx-lm's KV cache grows by
@@ -48,7 +46,6 @@ class Lending:
     max_depth: int  # the configured one
     keep_free: int = 0  # available memory the loan never takes: the plan's kept free
     runtime_bytes: int = 0  # of `lendable`: lent only as far as really free, never to a prefill
-    lent_bytes_peak: int = 0
 
     @classmethod
     def for_streamer(cls, streamer: Any, kv_bytes_per_token: int, depth: int) -> Lending | None:
@@ -117,7 +114,6 @@ class Lending:
             log.debug("lent layers: %d given back, %d still lent", back, len(streamer.lent))
         streamer.prefetch_depth = depth
         streamer.lend_room = max(0, room - lent) if grow else 0
-        self.lent_bytes_peak = max(self.lent_bytes_peak, lent)
 
     def prefill_room(self, room: int) -> int:
         """A prefill's room, given the loan's `room` for it (room(prefill=True)): the
@@ -125,15 +121,15 @@ class Lending:
         runtime's reserve (a prefill's peak is not checked against what is free)."""
         return max(0, room - self.runtime_bytes - self.lent_bytes()) + self.prefill_bytes
 
-    def prefill_settings(self, room: int, tokens: int) -> tuple[int, bool]:
+    def prefill_settings(self, room: int, tokens: int) -> tuple[int, bool] | None:
         """(chunk tokens, keep a layer's float copies) for a prefill of prompts reaching
         `tokens` of context, within `room` bytes: the plan's settings, or the
         configured ones (or between) where the room the loan is not using allows.
-        The tokens are the same in any chunking."""
+        The tokens are the same in any chunking. None: nothing to choose from."""
         streamer = self.streamer
         shape, planned = streamer.dense_shape, streamer.planned_prefill
         if shape is None or planned is None or streamer.max_prefill is None:
-            return planned or (0, False)
+            return planned
         chunk, keep = planned
         top, may_keep = streamer.max_prefill
         best = (chunk, keep)
@@ -146,9 +142,3 @@ class Lending:
                     best = max(best, (size, kept))
             size *= 2
         return best
-
-    def describe(self) -> str:
-        return (
-            f"{len(self.streamer.lent)} layers lent, prefetch depth {self.streamer.prefetch_depth} "
-            f"(planned {self.planned_depth}); lendable {fmt_bytes(self.lendable)}"
-        )
