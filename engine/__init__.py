@@ -24,6 +24,9 @@ never those below):
                  tier (segment files), their write budget.
 - `generation`   the worker thread and its requests, events, samplers, stop
                  strings and constrained-decoding processors.
+- `models`       several models in one process: the catalog (models_dir,
+                 [models.NAME] tables, aliases) and the pool that loads each
+                 on demand on its own worker and unloads idle ones.
 - `bench`        `flashserve bench` and its sections; imports any of the above.
 """
 

@@ -77,4 +77,7 @@ class EngineConfig:
     # Split across ranks (engine/distributed/): decoder layers per rank ("10,14");
     # None splits evenly. Only read when this process was launched as a rank.
     layer_split: str | None = None
+    # A cap on the context the model serves (a [models.NAME] table's `context`);
+    # None: the model's own, or what its memory plan bounds it to.
+    context_length: int | None = None
     extra: dict = field(default_factory=dict)

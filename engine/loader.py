@@ -48,6 +48,9 @@ def load(config: EngineConfig) -> LoadedModel:
             path=target if not isinstance(target, str) else None,
             context_length=context_length_of(model_config),
         )
+    if config.context_length and config.context_length < loaded.context_length:
+        loaded.model_context_length = loaded.model_context_length or loaded.context_length
+        loaded.context_length = config.context_length
     float32_embeddings(loaded.model)  # a prepared GGUF's float16 embedding scales
     try:  # kv_bits: every cache the model hands out from here on (kv/cache.py)
         kv_cache.install(loaded.model, config.kv_bits, config.kv_group_size)

@@ -59,6 +59,23 @@ class Settings(BaseSettings):
     # Model and server
     model: str | None = Field(None, description="model dir, GGUF file, prepared dir or HF repo id")
     model_id: str | None = Field(None, description="name in /v1/models (default: from the path)")
+    models_dir: str | None = Field(
+        None,
+        description="several models: every GGUF file, prepared layout and mlx-lm directory "
+        "in it is a model, its id the file or folder name; each loads on its first request",
+    )
+    models: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="[models.NAME] tables: one model's path, aliases, pinned and its own "
+        "settings (residency, expert_cache, kv_bits, speculative, context, ...); JSON on "
+        "the command line",
+    )
+    models_max: int = Field(
+        0, ge=0, description="models loaded at once at most (0: as many as memory holds)"
+    )
+    idle_unload: float = Field(
+        0.0, ge=0, description="seconds unused after which a model is unloaded (0: never)"
+    )
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     log_level: Literal["debug", "info", "warning", "error"] = Field(
@@ -236,6 +253,18 @@ class Settings(BaseSettings):
     def _sizes(cls, value: Any) -> Any:
         return None if value is None else parse_size(value)
 
+    @field_validator("models", mode="before")
+    @classmethod
+    def _models_json(cls, value: Any) -> Any:
+        if isinstance(value, str):  # the command line and the environment give JSON
+            import json
+
+            try:
+                return json.loads(value) if value.strip() else {}
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"not JSON: {exc}") from None
+        return value
+
     @field_validator("kv_bits", mode="before")
     @classmethod
     def _kv_bits(cls, value: Any) -> Any:
@@ -305,6 +334,22 @@ class Settings(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         toml = TomlConfigSettingsSource(settings_cls, toml_file=_config_file_in_use)
         return (init_settings, env_settings, toml)
+
+    def model_entries(self) -> tuple[list[Any], str | None]:
+        """The models this server serves (engine/models/catalog.py), and the one loaded
+        at start: the --model, or none when only models_dir / [models.*] name them."""
+        from flashserve.engine.models.catalog import CatalogError, build
+
+        try:
+            return build(
+                self.engine_config(), self.model, self.model_id, self.models_dir, self.models
+            )
+        except CatalogError as exc:
+            raise SettingsError(str(exc)) from None
+
+    @property
+    def several_models(self) -> bool:
+        return bool(self.models_dir or self.models)
 
     def engine_config(self) -> EngineConfig:
         names = {f.name for f in fields(EngineConfig)} - {"extra"}

@@ -169,6 +169,20 @@ def serve_app(app: Any) -> Iterator[Server]:
         thread.join(timeout=30)
 
 
+def metric(text: str, name: str, **labels: str) -> float | None:
+    """The value of sample `name` on a /metrics page (summed over the samples whose
+    labels include `labels`; each engine's carry `model`); None when absent."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values = [
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
+    ]
+    return sum(values) if values else None
+
+
 # -- models ---------------------------------------------------------------------------
 
 

@@ -73,7 +73,14 @@ def claude_env(home: Path, server: Server, queue: ScriptQueue) -> dict[str, str]
     }
 
 
-def run_claude(claude: Path, server: Server, queue: ScriptQueue, tmp: Path, prompt: str) -> Any:
+def run_claude(
+    claude: Path,
+    server: Server,
+    queue: ScriptQueue,
+    tmp: Path,
+    prompt: str,
+    env: dict[str, str] | None = None,
+) -> Any:
     home = tmp / "home"
     work = tmp / "work"
     home.mkdir()
@@ -84,7 +91,7 @@ def run_claude(claude: Path, server: Server, queue: ScriptQueue, tmp: Path, prom
     done = subprocess.run(
         cmd,
         cwd=work,
-        env=claude_env(home, server, queue),
+        env=claude_env(home, server, queue) | (env or {}),
         capture_output=True,
         text=True,
         timeout=RUN_TIMEOUT_S,
@@ -183,3 +190,35 @@ def test_read_of_a_png_goes_on(claude: Path, server: Server, tmp_path: Path) -> 
     written = [{"type": "text", "text": PLACEHOLDER} if p["type"] == "image" else p for p in parts]
     text = [part for part in parts if part["type"] != "image"]
     assert count(parts) == count(written) > count(text)
+
+
+@pytest.fixture(scope="module")
+def two_models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """A main model and a small one (by id, and by a Claude model name as its alias)."""
+    root = tmp_path_factory.mktemp("claude-code-two")
+    main = make_agent_model(root / "main", CONTEXT, **ONE_LAYER)
+    small = make_agent_model(root / "small", CONTEXT, **ONE_LAYER)
+    models = {"small": {"path": str(small), "aliases": ["claude-haiku-4-5"]}}
+    with scripted_server(main, prompt_cache_bytes=2**30, models=models) as running:
+        yield running
+
+
+def test_haiku_requests_go_to_the_small_model(
+    claude: Path, two_models: Server, tmp_path: Path
+) -> None:
+    """ANTHROPIC_DEFAULT_HAIKU_MODEL names the small model. In -p mode Claude Code
+    2.1.197 sends it nothing of its own (no title, no command check); a subagent
+    run on `haiku` does go there, and its answer comes back to the main model."""
+    call = tool_call(
+        "Agent", {"description": "Title the chat", "prompt": "Title it.", "model": "haiku"}
+    )
+    queue = script_queue(call, "A small title.", "Titled.")
+    env = {"ANTHROPIC_DEFAULT_HAIKU_MODEL": "small", "ANTHROPIC_SMALL_FAST_MODEL": "small"}
+    result = run_claude(claude, two_models, queue, tmp_path, "Title this chat.", env)
+    assert result["result"] == "Titled." and result["is_error"] is False
+    assert [body["model"] for body in queue.bodies] == ["main", "small", "main"]
+    assert "A small title." in json.dumps(queue.bodies[2]["messages"][-1])
+    # Served by each model's own engine: its request counter, labelled by model.
+    metrics = two_models.http().get("/metrics").text
+    assert 'flashserve_engine_requests_total{model="small"} 1.0' in metrics
+    assert 'flashserve_engine_requests_total{model="main"} 2.0' in metrics

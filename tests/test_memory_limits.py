@@ -158,12 +158,14 @@ def _make_group(limit: int = LIMIT) -> Path:
     return group
 
 
-def _start_in_group(group: Path, model: Path, workdir: Path, *args: str) -> Server:
-    """`flashserve serve` started inside `group`: the shell joins it, then execs."""
+def _start_in_group(group: Path, model: Path | None, workdir: Path, *args: str) -> Server:
+    """`flashserve serve` started inside `group`: the shell joins it, then execs.
+    `model` None: the models come from `args` (--models-dir)."""
     port = free_port()
     log_path = workdir / "server.log"
     serve = [sys.executable, "-m", "flashserve.server.cli", "serve", "--host", "127.0.0.1"]
-    serve += ["--port", str(port), "--model", str(model), "--prompt-cache-bytes", "0", *args]
+    serve += ["--port", str(port), "--prompt-cache-bytes", "0", *args]
+    serve += ["--model", str(model)] if model is not None else []
     cmd = ["sh", "-c", f'echo $$ > {group / "cgroup.procs"} && exec "$@"', "sh", *serve]
     with open(log_path, "wb") as log:
         process = subprocess.Popen(

@@ -15,7 +15,7 @@ from flashserve.engine.prompt_cache import files as prompt_files
 from flashserve.engine.weights.prepare import prepare
 from flashserve.engine.weights.synthetic import make_model_dir
 
-from .conftest import start_server, stop_server
+from .conftest import metric, start_server, stop_server
 from .test_prompt_cache import BASE, DIVERGED, GROWN, _engine, _in_turn, _together, common
 
 
@@ -188,6 +188,6 @@ def test_server_serves_a_disk_hit_after_restart(tiny_llama_dir: Path, tmp_path: 
         assert stats["disk"]["dir"] == str(tmp_path / "cache")
         assert stats["memory"]["misses"] == 1 and stats["hits"] == 1
         metrics = http.get("/metrics").text
-        assert "flashserve_prompt_cache_disk_hits_total 1.0" in metrics
+        assert metric(metrics, "flashserve_prompt_cache_disk_hits_total") == 1.0
     finally:
         stop_server(server)

@@ -60,6 +60,7 @@ def spec_counters(server: Server) -> dict[str, float]:
     for line in text.splitlines():
         if line.startswith("flashserve_speculative_"):
             name, value = line.rsplit(" ", 1)
+            name = name.split("{")[0]  # each engine's samples carry its model's label
             out[name.removeprefix("flashserve_speculative_")] = float(value)
     return out
 

@@ -124,6 +124,7 @@ ENGINE_ORDER = [
     "prompt_cache",
     "speculative",
     "generation",
+    "models",
 ]
 
 

@@ -90,13 +90,14 @@ def leave_prefill() -> None:
         libc.mallopt(_M_MMAP_THRESHOLD, _fixed)
 
 
-def trim() -> None:
+def trim(always: bool = False) -> None:
     """Give the arenas' free pages back to the system (after a prefill ran with the
     raised threshold). What a prefill allocates and leaves behind lives in the
     arenas too: its KV, the state stored from it. Freed later, when the answer
     ends or the prompt cache has written that state, it stays there until this
     runs (measured: 85-95 MB after the cap bench's first turn), so those are
-    the places that call it."""
+    the places that call it. `always`: also when no plan raised the threshold
+    (a model unloaded: engine/models/pool.py)."""
     libc = _libc()
-    if _used and libc is not None:
+    if (_used or always) and libc is not None:
         libc.malloc_trim(0)

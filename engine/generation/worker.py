@@ -143,7 +143,8 @@ class Engine:
     def idle(self) -> bool:
         return self.stats.active == 0 and self._queue.empty()
 
-    def shutdown(self, timeout: float = 5.0) -> None:
+    def shutdown(self, timeout: float = 5.0, release: bool = False) -> None:
+        """Stop the worker; `release`: also drop the model (an unload, engine/models/)."""
         self._queue.put(None)
         self._thread.join(timeout)
         if self.state != "failed":  # a failed load stays failed: `serve` exits 2 on it
@@ -153,6 +154,8 @@ class Engine:
         experts = self.loaded.experts if self.loaded is not None else None
         if experts is not None:
             experts.close()  # flushes the routing trace, stops the pread pool
+        if release:
+            self.loaded = self.prompt_cache = self.guard = self._layer_major = None
 
     def stats_dict(self) -> dict:
         out = asdict(self.stats)

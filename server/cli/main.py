@@ -125,6 +125,9 @@ def _check_model(settings: Settings) -> None:
     from flashserve.engine.weights.model import ModelLoadError
     from flashserve.engine.weights.sources import resolve
 
+    if settings.several_models and settings.model is None:
+        settings.model_entries()  # the catalog's own checks (names, tables, models_dir)
+        return
     try:
         resolve(settings.model)
     except ModelLoadError as exc:
@@ -149,7 +152,9 @@ def _serve(args: argparse.Namespace) -> int:
     from flashserve.server.http.connections import fit_open_file_limit
     from flashserve.server.http.lifecycle import make_server
 
-    engine = Engine(settings.engine_config())
+    # The --model loads at start (models_dir alone: each model on its first request).
+    entries, default = settings.model_entries()
+    engine = Engine(next(e.config for e in entries if e.name == default)) if default else None
     app = create_app(settings, engine)
     # Graceful shutdown (drain generations on SIGTERM and SIGINT, exit 0), the access
     # log, and connections bounded (idle ones closed) within the open-file limit.
@@ -164,13 +169,15 @@ def _serve(args: argparse.Namespace) -> int:
     )
 
     def stop_if_load_fails() -> None:
+        assert engine is not None
         engine.wait_ready()
         if engine.state == "failed":
             server.should_exit = True
 
-    threading.Thread(target=stop_if_load_fails, daemon=True).start()
+    if engine is not None:
+        threading.Thread(target=stop_if_load_fails, daemon=True).start()
     server.run()
-    if engine.state == "failed":
+    if engine is not None and engine.state == "failed":
         # One line, no traceback: exit code 2 tells service managers not to restart
         # (systemd's RestartPreventExitStatus=2); a broken model will not load later.
         reason = " ".join(str(engine.load_error).split())

@@ -211,7 +211,7 @@ class DepthLimited(BaseModel):
 def model_not_found(name: str) -> APIError:
     return APIError(
         404,
-        f"The model '{name}' does not exist. This server serves one model; see GET /v1/models.",
+        f"The model '{name}' does not exist on this server; see GET /v1/models.",
         param="model",
         code="model_not_found",
     )
@@ -230,6 +230,18 @@ def not_ready(state: str, load_error: str | None = None) -> APIError:
         type=SERVER_ERROR,
         code="model_not_ready",
         headers={"Retry-After": RETRY_AFTER_S} if state == "loading" else None,
+    )
+
+
+def model_unavailable(message: str, transient: bool = False) -> APIError:
+    """A model that could not be loaded (a damaged file, no room) or, `transient`,
+    not now (every loaded model busy under models_max)."""
+    return APIError(
+        503,
+        message,
+        type=SERVER_ERROR,
+        code="model_unavailable",
+        headers={"Retry-After": RETRY_AFTER_S} if transient else None,
     )
 
 
@@ -416,8 +428,11 @@ async def _queue_full(request: Request, exc: Exception) -> JSONResponse:
 
 
 async def _engine_not_ready(request: Request, exc: Exception) -> JSONResponse:
-    engine = request.app.state.engine
-    return not_ready(engine.state, engine.load_error).response(request.url.path)
+    # The engine says "model is <state>", or why its model failed to load.
+    reason = str(exc) or "model is loading"
+    if reason.startswith("model is "):
+        return not_ready(reason.removeprefix("model is ")).response(request.url.path)
+    return not_ready("failed", reason).response(request.url.path)
 
 
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

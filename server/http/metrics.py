@@ -60,6 +60,45 @@ def metric_name(*parts: str) -> str:
     return _UNSAFE.sub("_", "_".join(p for p in parts if p))
 
 
+Engines = Callable[[], Iterable[tuple[str, Any]]]  # each loaded model's engine, by name
+
+
+def by_model(families: Mapping[str, Iterable[Metric]]) -> Iterator[Metric]:
+    """Each model's metric families as one family per name, every sample labelled
+    with its model (`model="NAME"`): a server with several models reports each."""
+    merged: dict[str, Metric] = {}
+    for model, metrics in families.items():
+        for family in metrics:
+            out = merged.get(family.name)
+            if out is None:
+                out = merged[family.name] = Metric(family.name, family.documentation, family.type)
+            for sample in family.samples:
+                labels = {"model": model, **sample.labels}
+                out.samples.append(sample._replace(labels=labels))
+    yield from merged.values()
+
+
+class ModelSourceCollector(Collector):
+    """A source per loaded model (its /cache/stats, its /memory), labelled by model."""
+
+    def __init__(
+        self, prefix: str, engines: Engines, fn: Callable[[Any], Mapping[str, Any]], doc: str
+    ):
+        self._engines = engines
+        self._sources = (prefix, fn, doc)
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        prefix, fn, doc = self._sources
+        families = {}
+        for name, engine in self._engines():
+            bound = SourceCollector(prefix, lambda engine=engine: fn(engine), doc)
+            families[name] = list(bound.collect())
+        yield from by_model(families)
+
+
 class SourceCollector(Collector):
     """Numeric leaves of `fn()` as gauges (counters for keys ending in `_total`)."""
 
@@ -124,14 +163,16 @@ class EngineCollector(Collector):
         "last_decode_tokens_per_s": ("last_decode_tokens_per_second", "Decode speed, last"),
     }
 
-    def __init__(self, engine: Any):
-        self._engine = engine
+    def __init__(self, engines: Engines):
+        self._engines = engines
 
     def describe(self) -> Iterable[Metric]:
         return []
 
     def collect(self) -> Iterator[Metric]:
-        engine = self._engine
+        yield from by_model({name: self._one(engine) for name, engine in self._engines()})
+
+    def _one(self, engine: Any) -> Iterator[Metric]:
         yield GaugeMetricFamily(
             metric_name(PREFIX, "model_ready"),
             "1 when the model is loaded and serving",
@@ -282,8 +323,18 @@ class Metrics:
         except Exception as exc:  # pragma: no cover - platform without /proc
             log.debug("process metrics unavailable: %s", exc)
 
-    def watch_engine(self, engine: Any) -> None:
-        self.registry.register(EngineCollector(engine))
+    def watch_engines(self, engines: Engines) -> None:
+        """Every loaded model's engine counters, labelled by model."""
+        self.registry.register(EngineCollector(engines))
+
+    def add_model_source(
+        self, name: str, engines: Engines, fn: Callable[[Any], Mapping[str, Any]], doc: str = ""
+    ) -> None:
+        """`fn(engine)` for every loaded model: `flashserve_<name>_<key>{model=...}`."""
+        prefix = metric_name(PREFIX, name)
+        self.registry.register(
+            ModelSourceCollector(prefix, engines, fn, doc or f"{prefix} statistic")
+        )
 
     def add_source(self, name: str, fn: Source, documentation: str = "") -> None:
         """Expose the numbers of `fn()` as `flashserve_<name>_<key>` at every scrape."""

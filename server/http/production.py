@@ -2,7 +2,7 @@
 HEAD, request ids and access log, Prometheus /metrics, request time limit and shutdown
 drain, and the statuses these answer in the OpenAPI document (server/http/openapi.py).
 
-create_app calls `install_production(app, settings, engine)` once, before the
+create_app calls `install_production(app, settings, engines)` once, before the
 app starts, and adds the /metrics route and its sources. It leaves on app.state:
 - `metrics`: server.http.metrics.Metrics (`add_source()` for more numbers on /metrics)
 - `tracker`: server.http.lifecycle.RequestTracker; routes pass it to
@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-from typing import Any
 
 from fastapi import FastAPI
 from sse_starlette.sse import AppStatus
 
 from flashserve.server.http.hosts import bind_host_names
 from flashserve.server.http.lifecycle import RequestTracker
-from flashserve.server.http.metrics import Metrics
+from flashserve.server.http.metrics import Engines, Metrics
 from flashserve.server.http.middleware import install_middleware
 from flashserve.server.http.openapi import install_openapi
 from flashserve.server.http.security import OPEN_PATHS, resolve_api_key
@@ -29,10 +28,11 @@ from flashserve.server.settings import Settings
 log = logging.getLogger(__name__)
 
 
-def install_production(app: FastAPI, settings: Settings, engine: Any) -> None:
+def install_production(app: FastAPI, settings: Settings, engines: Engines) -> None:
+    """`engines()`: every loaded model's engine by name (their counters on /metrics)."""
     api_key = resolve_api_key(settings)
     metrics = Metrics()
-    metrics.watch_engine(engine)
+    metrics.watch_engines(engines)
     app.state.metrics = metrics
     app.state.tracker = RequestTracker(settings.request_timeout, metrics)
     allowed_hosts = [*settings.allowed_hosts, *bind_host_names(settings.host)]

@@ -538,6 +538,13 @@ class ModelCard(BaseModel):
     # the KV that fits, and the model's own context beside it.
     context_length: int | None = None
     model_context_length: int | None = None
+    # Several models (--models-dir): whether it is in memory now, its other names,
+    # its files' size, and what loading it added to the process's private memory.
+    state: Literal["loaded", "loading", "not loaded", "failed"] = "loaded"
+    aliases: list[str] = []
+    size_bytes: int | None = None
+    memory_bytes: int | None = None
+    error: str | None = None
 
 
 class ModelList(BaseModel):

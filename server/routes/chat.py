@@ -7,11 +7,9 @@ from fastapi import APIRouter, Request
 from flashserve.server.chat.conversation import ChatOptions
 from flashserve.server.chat.prompts import prompt_limits
 from flashserve.server.http.deps import (
-    EngineDep,
     ExtraProcessors,
-    ReadyModel,
     SettingsDep,
-    check_model,
+    serving,
     vocab_size,
 )
 from flashserve.server.http.errors import error_responses
@@ -36,21 +34,19 @@ router = APIRouter(tags=["chat"])
 async def chat_completions(
     body: ChatCompletionRequest,
     request: Request,
-    loaded: ReadyModel,
-    engine: EngineDep,
     settings: SettingsDep,
     extra_processors: ExtraProcessors,
 ) -> ChatCompletion | EventStream:
-    check_model(body.model, loaded, settings)
-    return await create_chat_completion(
-        body,
-        request,
-        loaded,
-        engine,
-        chat_options(settings),
-        vocab_size(loaded),
-        extra_processors,
-    )
+    async with serving(request, body.model) as (engine, loaded):
+        return await create_chat_completion(
+            body,
+            request,
+            loaded,
+            engine,
+            chat_options(settings),
+            vocab_size(loaded),
+            extra_processors,
+        )
 
 
 def chat_options(settings: Settings) -> ChatOptions:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 
 from flashserve.server.chat.prompts import prompt_limits
-from flashserve.server.http.deps import EngineDep, ReadyModel, SettingsDep, check_model, vocab_size
+from flashserve.server.http.deps import SettingsDep, serving, vocab_size
 from flashserve.server.http.errors import error_responses
 from flashserve.server.http.openapi import event_stream
 from flashserve.server.http.sse import EventStream
@@ -23,18 +23,16 @@ router = APIRouter(tags=["completions"])
 async def completions(
     body: CompletionRequest,
     request: Request,
-    loaded: ReadyModel,
-    engine: EngineDep,
     settings: SettingsDep,
 ) -> Completion | EventStream:
-    check_model(body.model, loaded, settings)
-    return await create_completion(
-        body,
-        request,
-        loaded,
-        engine,
-        settings.default_max_tokens,
-        vocab_size(loaded),
-        prompt_limits(settings),
-        settings.stream_keepalive,
-    )
+    async with serving(request, body.model) as (engine, loaded):
+        return await create_completion(
+            body,
+            request,
+            loaded,
+            engine,
+            settings.default_max_tokens,
+            vocab_size(loaded),
+            prompt_limits(settings),
+            settings.stream_keepalive,
+        )

@@ -6,10 +6,9 @@ from fastapi import APIRouter, Request
 
 from flashserve.server.chat.prompts import prompt_limits
 from flashserve.server.http.deps import (
-    EngineDep,
     ExtraProcessors,
-    ReadyModel,
     SettingsDep,
+    serving,
     vocab_size,
 )
 from flashserve.server.http.errors import error_responses
@@ -32,13 +31,12 @@ router = APIRouter(tags=["infill"])
 async def infill(
     body: InfillRequest,
     request: Request,
-    loaded: ReadyModel,
-    engine: EngineDep,
     settings: SettingsDep,
     extra_processors: ExtraProcessors,
 ) -> InfillResponse | EventStream:
-    # No `model` field: llama-server serves one model, and so does this server.
-    options = InfillOptions(
-        settings.default_max_tokens, vocab_size(loaded), prompt_limits(settings)
-    )
-    return await create_infill(body, request, loaded, engine, options, extra_processors)
+    # llama.cpp's /infill names no model: the default one (or `model`, as its router takes).
+    async with serving(request, getattr(body, "model", None)) as (engine, loaded):
+        options = InfillOptions(
+            settings.default_max_tokens, vocab_size(loaded), prompt_limits(settings)
+        )
+        return await create_infill(body, request, loaded, engine, options, extra_processors)

@@ -13,7 +13,7 @@ from pydantic import BaseModel, Field
 
 from flashserve.engine.generation.worker import Engine
 from flashserve.engine.streaming.memory import memory_report
-from flashserve.server.http.deps import EngineDep, ReadyModel
+from flashserve.server.http.deps import EngineDep, PoolDep, ReadyModel
 from flashserve.server.http.errors import error_responses
 
 router = APIRouter(tags=["memory"])
@@ -85,10 +85,16 @@ class MemoryResponse(BaseModel):
         description="the model split across ranks: each rank's layers (first, last) and "
         "memory (rank 0's now, the others' from their last heartbeat); null: one process",
     )
+    models: list[dict[str, Any]] | None = Field(
+        None,
+        description="several models: each one's state and the private memory its load "
+        "added; the rest of this report is the model `?model=` names (default: the "
+        "--model, else the most recently used)",
+    )
 
 
 @router.get("/memory", response_model=MemoryResponse, responses=error_responses(503))
-def get_memory(loaded: ReadyModel, engine: EngineDep) -> MemoryResponse:
+def get_memory(loaded: ReadyModel, engine: EngineDep, pool: PoolDep) -> MemoryResponse:
     stats = engine.stats
     report = memory_report(
         loaded, kv_cache_bytes=stats.kv_cache_bytes, prompt_cache_bytes=_prompt_cache_bytes(engine)
@@ -103,7 +109,8 @@ def get_memory(loaded: ReadyModel, engine: EngineDep) -> MemoryResponse:
     )
     mirror = getattr(engine, "mirror", None)
     distributed = mirror.report() if mirror is not None else None
-    return MemoryResponse(**report.to_dict(), batch=batch, distributed=distributed)
+    models = pool.describe() if len(pool.slots) > 1 else None
+    return MemoryResponse(**report.to_dict(), batch=batch, distributed=distributed, models=models)
 
 
 def metric_numbers(engine: Engine) -> dict[str, Any]:

@@ -23,11 +23,9 @@ from flashserve.server.anthropic.protocol import (
     PingEvent,
 )
 from flashserve.server.http.deps import (
-    EngineDep,
     ExtraProcessors,
-    ReadyModel,
     SettingsDep,
-    check_model,
+    serving,
     vocab_size,
 )
 from flashserve.server.http.errors import AnthropicErrorResponse, error_responses
@@ -69,22 +67,20 @@ _STREAM = event_stream(
 async def messages(
     body: MessagesRequest,
     request: Request,
-    loaded: ReadyModel,
-    engine: EngineDep,
     settings: SettingsDep,
     extra_processors: ExtraProcessors,
 ) -> Message | EventStream:
-    check_model(body.model, loaded, settings)
     note_betas(request.headers.get("anthropic-beta"))
-    return await create_message(
-        body,
-        request,
-        loaded,
-        engine,
-        chat_options(settings),
-        vocab_size(loaded),
-        extra_processors,
-    )
+    async with serving(request, body.model) as (engine, loaded):
+        return await create_message(
+            body,
+            request,
+            loaded,
+            engine,
+            chat_options(settings),
+            vocab_size(loaded),
+            extra_processors,
+        )
 
 
 @router.post(
@@ -93,7 +89,7 @@ async def messages(
     responses=error_responses(400, 404, 500, 503, model=AnthropicErrorResponse),
 )
 async def messages_count_tokens(
-    body: CountTokensRequest, loaded: ReadyModel, settings: SettingsDep
+    body: CountTokensRequest, request: Request, settings: SettingsDep
 ) -> CountTokensResponse:
-    check_model(body.model, loaded, settings)
-    return await count_tokens(body, loaded, chat_options(settings), vocab_size(loaded))
+    async with serving(request, body.model) as (_, loaded):
+        return await count_tokens(body, loaded, chat_options(settings), vocab_size(loaded))

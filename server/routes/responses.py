@@ -8,11 +8,9 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
 from flashserve.server.http.deps import (
-    EngineDep,
     ExtraProcessors,
-    ReadyModel,
     SettingsDep,
-    check_model,
+    serving,
     vocab_size,
 )
 from flashserve.server.http.errors import error_responses
@@ -75,23 +73,21 @@ StoreDep = Annotated[ResponseStore, Depends(response_store)]
 async def create(
     body: ResponseCreateRequest,
     request: Request,
-    loaded: ReadyModel,
-    engine: EngineDep,
     settings: SettingsDep,
     store: StoreDep,
     extra_processors: ExtraProcessors,
 ) -> ResponseObject | EventStream:
-    check_model(body.model, loaded, settings)
-    return await create_response(
-        body,
-        request,
-        loaded,
-        engine,
-        chat_options(settings),
-        vocab_size(loaded),
-        store,
-        extra_processors,
-    )
+    async with serving(request, body.model) as (engine, loaded):
+        return await create_response(
+            body,
+            request,
+            loaded,
+            engine,
+            chat_options(settings),
+            vocab_size(loaded),
+            store,
+            extra_processors,
+        )
 
 
 @router.get(
