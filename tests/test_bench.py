@@ -314,3 +314,32 @@ def test_quick_speculative_section_prints_its_rows(tmp_path: Path) -> None:
     streamed = spec[0][0]
     # At 0% residency every token reads the layers: speculation reads less per token.
     assert _number(streamed["MB/token on"]) < _number(streamed["MB/token off"]), streamed
+
+
+def test_quick_models_section_prints_loads_and_the_contention_ratio(tmp_path: Path) -> None:
+    """The models section: one server, two models loaded on their first requests (load
+    time, memory, TTFT with the load), and the small model's TTFT while the big one
+    decodes against alone, with its target."""
+    cmd = [sys.executable, "-m", "flashserve.server.cli", "bench", "--", "--quick"]
+    cmd += ["--sections", "models", "--work-dir", str(tmp_path)]
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=_clean_env(), capture_output=True, text=True, timeout=2 * TIMEOUT_S
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    tables = _tables(proc.stdout)
+    loads = [rows for t, rows in tables.items() if t.startswith("Models: load on first")]
+    assert len(loads) == 1 and {r["model"] for r in loads[0]} == {"big", "small"}, proc.stdout
+    for row in loads[0]:
+        assert _number(row["size MB"]) > 0 and _number(row["memory MB"]) > 0, row
+        first, load = _number(row["first TTFT s (load included)"]), _number(row["load s"])
+        assert 0 < load < first, row  # the first request waited for its model's load
+    beside = [rows for t, rows in tables.items() if t.startswith("Models: the small model's")]
+    (row,) = beside[0]
+    alone, during = (
+        _number(row["small TTFT alone s"]),
+        _number(row["small TTFT while big decodes s"]),
+    )
+    # The cells are rounded to 0.01 s: the ratio agrees within what that rounding allows.
+    slack = 0.005 * (1 + during / alone) / alone + 0.005
+    assert abs(_number(row["ratio"]) - during / alone) <= slack, row
+    assert row["met"] == ("yes" if _number(row["ratio"]) <= 1.5 else "no"), row

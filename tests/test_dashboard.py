@@ -22,6 +22,7 @@ import httpx
 import pytest
 
 from flashserve.engine.weights.prepare import prepare
+from flashserve.engine.weights.synthetic import make_model_dir
 from flashserve.server.app import create_app
 from flashserve.server.http.security import DASHBOARD_PATHS, OPEN_PATHS
 from flashserve.server.routes.dashboard import FILES, PAGE
@@ -326,3 +327,38 @@ def test_dashboard_files_are_package_data() -> None:
     on_disk = {p for p in DASHBOARD_DIR.iterdir() if p.is_file()}
     assert on_disk == shipped
     assert {"index.html", "uPlot.LICENSE", *FILES} <= {p.name for p in on_disk}
+
+
+def test_dashboard_picks_among_several_models(
+    tiny_llama_dir: Path, tmp_path: Path, browser: Browser
+) -> None:
+    """With several models the page shows one (`?model=`, by default the --model) and a
+    picker of the loaded ones; its /memory, /cache/stats and metrics are that model's."""
+    models = tmp_path / "models"
+    make_model_dir(models / "tiny-qwen3", "qwen3", seed=5)
+    server = start_server(tiny_llama_dir, tmp_path, "--models-dir", str(models))
+    try:
+        pick = "document.getElementById('model-pick')"
+        browser.navigate(server.url + PAGE)
+        browser.wait_for("document.getElementById('status').dataset.state === 'ok'")
+        assert browser.evaluate("document.getElementById('info-model').textContent") == (
+            "tiny-llama"
+        )
+        assert browser.evaluate(f"{pick}.hidden") is True  # one model loaded
+        body = {"model": "tiny-qwen3", "prompt": "hi", "max_tokens": 4, "temperature": 0}
+        assert server.http().post("/v1/completions", json=body).status_code == 200
+        browser.wait_for(f"!{pick}.hidden && {pick}.options.length === 2")
+        browser.navigate(server.url + PAGE + "?model=tiny-qwen3")
+        browser.wait_for("document.getElementById('status').dataset.state === 'ok'")
+        assert browser.evaluate("document.getElementById('info-model').textContent") == (
+            "tiny-qwen3"
+        )
+        assert browser.evaluate(f"{pick}.value") == "tiny-qwen3"
+        asked = {
+            e["params"]["request"]["url"].removeprefix(server.url)
+            for e in browser.events
+            if e.get("method") == "Network.requestWillBeSent"
+        }
+        assert {"/memory?model=tiny-qwen3", "/cache/stats?model=tiny-qwen3"} <= asked
+    finally:
+        stop_server(server)

@@ -68,6 +68,15 @@ def _text(response: httpx.Response) -> str:
     return response.json()["choices"][0]["text"]
 
 
+def _stream_lines(http: httpx.Client, path: str, model: str) -> list[str]:
+    """The SSE lines of a streamed chat turn (OpenAI chat or Anthropic messages)."""
+    body = {"model": model, "messages": [{"role": "user", "content": "Say hi"}]}
+    body |= {"max_tokens": 8, "temperature": 0, "stream": True}
+    with http.stream("POST", path, json=body) as response:
+        assert response.status_code == 200, response.read()
+        return [line for line in response.iter_lines() if line]
+
+
 def _states(http: httpx.Client) -> dict[str, dict]:
     return {card["id"]: card for card in http.get("/v1/models").json()["data"]}
 
@@ -80,7 +89,9 @@ def _private(pid: int) -> int:
 
 
 def test_models_load_on_demand_and_serve_side_by_side(models_dir: Path, tmp_path: Path) -> None:
-    server = start_server(None, tmp_path, "--models-dir", str(models_dir))
+    server = start_server(
+        None, tmp_path, "--models-dir", str(models_dir), "--stream-keepalive", "0.1"
+    )
     try:
         http = server.http(timeout=300)
         cards = _states(http)
@@ -135,16 +146,30 @@ def test_models_load_on_demand_and_serve_side_by_side(models_dir: Path, tmp_path
         assert _states(http)["broken"]["state"] == "failed"
         assert _text(_complete(http, "tiny-llama", 48)) == alone["tiny-llama"]
 
-        # Unknown names stay 404s; a real GGUF with its chat template loads by name.
+        # Unknown names stay 404s, streamed or not.
         missing = _complete(http, "no-such-model")
         assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
-        chat = server.client().chat.completions.create(
-            model="SmolLM2",
-            messages=[{"role": "user", "content": "Say hi"}],
-            max_tokens=8,
-            temperature=0,
+        assert _complete(http, "no-such-model", stream=True).status_code == 404
+
+        # A real GGUF with its chat template loads by name; a stream for it starts at
+        # once and sends keepalive chunks (empty deltas) while it loads.
+        before = time.monotonic()
+        lines = _stream_lines(http, "/v1/chat/completions", "SmolLM2")
+        chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+        keepalives = [c for c in chunks if c["choices"] and c["choices"][0]["delta"] == {}]
+        text = "".join(
+            c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]
         )
-        assert chat.model == "SmolLM2" and chat.usage.completion_tokens > 0
+        # The loading phase's keepalives come before the answer's own chunks (its id).
+        loading = [c for c in keepalives if c["id"] != chunks[-1]["id"]]
+        assert len(loading) >= 2 and text, chunks[:4]
+        assert chunks[0] in loading and lines[-1] == "data: [DONE]"
+        assert _states(http)["SmolLM2"]["load_seconds"] < time.monotonic() - before
+        # Anthropic's dialect pings meanwhile; a model that fails to load ends the
+        # stream with its error event (the status went out as 200).
+        lines = _stream_lines(http, "/v1/messages", "broken")
+        events = [line.removeprefix("event: ") for line in lines if line.startswith("event: ")]
+        assert events[-1] == "error" and "failed to load" in lines[-1], lines[-4:]
 
         # /metrics: every loaded model's counters, labelled by model.
         metrics = http.get("/metrics").text

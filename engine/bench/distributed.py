@@ -96,7 +96,9 @@ def _completion(url: str, model: Path, tokens: int) -> tuple[float, float]:
 def _transfer_per_step(url: str) -> float | None:
     status, text = _get(f"{url}/metrics")
     found = re.search(
-        r"^flashserve_distributed_transfer_seconds_per_step ([0-9.e+-]+)$", text, re.M
+        r"^flashserve_distributed_transfer_seconds_per_step(?:\{[^}]*\})? ([0-9.e+-]+)$",
+        text,
+        re.M,
     )
     return float(found.group(1)) if status == 200 and found else None
 

@@ -17,6 +17,8 @@ Sections (all but cap by default):
   decode   the default model's decode tokens/s at 1, 4, 8 streams: flashserve's
            CPU quantized matmul vs MLX's kernel (and llama.cpp when installed);
            one stream after a 4k-token prompt
+  models   several models in one server: load time, first TTFT with the load, the
+           small model's TTFT while a big streamed one decodes against alone
   agent-turn  the default model: cold prefill of 1,066 tokens on all cores vs one
            thread (cores busy; llama-server's beside it with --llama-server or
            FLASHSERVE_LLAMA_SERVER), and 6k cached + 200 new tokens against its bound
@@ -43,6 +45,7 @@ from flashserve.engine.bench import (
     experts,
     io,
     layers,
+    models,
     plots,
     prefill,
     prompt_cache,
@@ -60,9 +63,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--sections",
-        default="layers,experts,batch,prefill,prompt-cache,io,distributed,decode,agent-turn",
+        default="layers,experts,batch,prefill,prompt-cache,io,distributed,decode,models,agent-turn",
         help="comma list of: layers, experts, batch, prefill, prompt-cache, io, distributed, "
-        "decode, agent-turn, cap (Linux, root: a model larger than a cgroup's memory limit)",
+        "decode, models, agent-turn, cap (Linux, root: a model larger than a cgroup's "
+        "memory limit)",
     )
     parser.add_argument(
         "--work-dir",
@@ -121,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
             results[section] = distributed.run(args.work_dir, tokens=args.tokens, quick=args.quick)
         elif section == "decode":
             results[section] = decode.run(args.work_dir, tokens=args.tokens, quick=args.quick)
+        elif section == "models":
+            results[section] = models.run(args.work_dir, tokens=args.tokens, quick=args.quick)
         elif section == "cap":  # not in the default list: root, cgroups, minutes per run
             results[section] = cap.run(
                 args.work_dir,

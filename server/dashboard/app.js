@@ -23,6 +23,10 @@
   ];
 
   const $ = (id) => document.getElementById(id);
+  // Several models: the page shows one, `?model=` in its own address (the server's
+  // default, the --model or the most recently used, without it).
+  const model = new URLSearchParams(location.search).get("model");
+  const scoped = (path) => (model ? path + "?model=" + encodeURIComponent(model) : path);
   let apiKey = sessionStorage.getItem(KEY_STORAGE);
   let info = null;
   let prev = null; // the last poll's cumulative counters
@@ -72,16 +76,25 @@
     // Every request of the round leaves now, so no route is asked twice within a second.
     const results = await Promise.allSettled([
       fetch("/health", { cache: "no-store" }).then((r) => r.json()), // open: no key
-      get("/memory"),
-      get("/cache/stats"),
+      get(scoped("/memory")),
+      get(scoped("/cache/stats")),
       get("/metrics", true),
-      info === null ? get("/dashboard/info") : Promise.resolve(info),
+      info === null ? get(scoped("/dashboard/info")) : Promise.resolve(info),
     ]);
     try {
       const health = results[0].status === "fulfilled" ? results[0].value : null;
       if (health && health.status !== "ok") {
         setStatus("loading", "model " + health.status);
         return;
+      }
+      if (health && health.models) {
+        const loaded = health.models.filter((m) => m.state === "loaded").map((m) => m.id);
+        showPicker(loaded, info ? info.model : model);
+        if (!loaded.length || (model && !loaded.includes(model))) {
+          const what = model ? "model " + model + " is not loaded" : "no model is loaded";
+          setStatus("loading", what + " (models load on their first request)");
+          return;
+        }
       }
       const failed = results.filter((r) => r.status === "rejected").map((r) => r.reason);
       if (failed.length) throw failed.find((e) => e instanceof KeyNeeded) || failed[0];
@@ -140,14 +153,31 @@
   // ---- parsing -----------------------------------------------------------------
 
   // Prometheus text -> {metric name: sum over its label sets}.
+  function showPicker(loaded, current) {
+    const pick = $("model-pick");
+    const names = [...new Set([...loaded, ...(current ? [current] : [])])];
+    if (pick.dataset.names !== names.join("\n")) {
+      pick.dataset.names = names.join("\n");
+      pick.replaceChildren(...names.map((n) => new Option(n, n, false, n === current)));
+    }
+    pick.hidden = names.length < 2;
+  }
+
+  $("model-pick").addEventListener("change", (event) => {
+    location.search = "?model=" + encodeURIComponent(event.target.value); // a fresh page
+  });
+
   function parseMetrics(text) {
     const out = {};
+    const mine = info ? 'model="' + info.model + '"' : null;
     for (const line of text.split("\n")) {
       if (!line || line[0] === "#") continue;
       const space = line.lastIndexOf(" ");
       const key = line.slice(0, space);
       const brace = key.indexOf("{");
       const name = brace < 0 ? key : key.slice(0, brace);
+      // Each model's engine numbers carry its label: only the shown model's count.
+      if (mine && key.includes('model="') && !key.includes(mine)) continue;
       const value = parseFloat(line.slice(space + 1));
       if (Number.isFinite(value)) out[name] = (out[name] || 0) + value;
     }

@@ -544,6 +544,7 @@ class ModelCard(BaseModel):
     aliases: list[str] = []
     size_bytes: int | None = None
     memory_bytes: int | None = None
+    load_seconds: float | None = None  # the last load's time
     error: str | None = None
 
 

@@ -9,10 +9,10 @@ from flashserve.server.chat.prompts import prompt_limits
 from flashserve.server.http.deps import (
     ExtraProcessors,
     SettingsDep,
-    serving,
     vocab_size,
 )
 from flashserve.server.http.errors import error_responses
+from flashserve.server.http.loading import answer
 from flashserve.server.http.openapi import event_stream
 from flashserve.server.http.sse import EventStream
 from flashserve.server.openai.chat import create_chat_completion
@@ -37,8 +37,12 @@ async def chat_completions(
     settings: SettingsDep,
     extra_processors: ExtraProcessors,
 ) -> ChatCompletion | EventStream:
-    async with serving(request, body.model) as (engine, loaded):
-        return await create_chat_completion(
+    return await answer(
+        request,
+        body.model,
+        bool(body.stream),
+        "chat",
+        lambda engine, loaded: create_chat_completion(
             body,
             request,
             loaded,
@@ -46,7 +50,8 @@ async def chat_completions(
             chat_options(settings),
             vocab_size(loaded),
             extra_processors,
-        )
+        ),
+    )
 
 
 def chat_options(settings: Settings) -> ChatOptions:

@@ -5,8 +5,9 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 
 from flashserve.server.chat.prompts import prompt_limits
-from flashserve.server.http.deps import SettingsDep, serving, vocab_size
+from flashserve.server.http.deps import SettingsDep, vocab_size
 from flashserve.server.http.errors import error_responses
+from flashserve.server.http.loading import answer
 from flashserve.server.http.openapi import event_stream
 from flashserve.server.http.sse import EventStream
 from flashserve.server.openai.completions import create_completion
@@ -25,8 +26,12 @@ async def completions(
     request: Request,
     settings: SettingsDep,
 ) -> Completion | EventStream:
-    async with serving(request, body.model) as (engine, loaded):
-        return await create_completion(
+    return await answer(
+        request,
+        body.model,
+        bool(body.stream),
+        "completion",
+        lambda engine, loaded: create_completion(
             body,
             request,
             loaded,
@@ -35,4 +40,5 @@ async def completions(
             vocab_size(loaded),
             prompt_limits(settings),
             settings.stream_keepalive,
-        )
+        ),
+    )

@@ -30,6 +30,7 @@ from flashserve.server.http.deps import (
 )
 from flashserve.server.http.errors import AnthropicErrorResponse, error_responses
 from flashserve.server.http.ignored import note_ignored
+from flashserve.server.http.loading import answer
 from flashserve.server.http.openapi import event_stream
 from flashserve.server.http.sse import EventStream
 from flashserve.server.routes.chat import chat_options
@@ -71,8 +72,12 @@ async def messages(
     extra_processors: ExtraProcessors,
 ) -> Message | EventStream:
     note_betas(request.headers.get("anthropic-beta"))
-    async with serving(request, body.model) as (engine, loaded):
-        return await create_message(
+    return await answer(
+        request,
+        body.model,
+        bool(body.stream),
+        "messages",
+        lambda engine, loaded: create_message(
             body,
             request,
             loaded,
@@ -80,7 +85,8 @@ async def messages(
             chat_options(settings),
             vocab_size(loaded),
             extra_processors,
-        )
+        ),
+    )
 
 
 @router.post(

@@ -24,6 +24,7 @@ def _card(request: Request, slot: Slot, about: dict) -> ModelCard:
         aliases=about["aliases"],
         size_bytes=about["size_bytes"] or None,
         memory_bytes=about["memory_bytes"],
+        load_seconds=about["load_seconds"],
         error=about["error"],
     )
 

@@ -10,10 +10,10 @@ from fastapi.responses import JSONResponse
 from flashserve.server.http.deps import (
     ExtraProcessors,
     SettingsDep,
-    serving,
     vocab_size,
 )
 from flashserve.server.http.errors import error_responses
+from flashserve.server.http.loading import answer
 from flashserve.server.http.openapi import event_stream
 from flashserve.server.http.sse import EventStream
 from flashserve.server.openai.response_store import ResponseStore
@@ -77,8 +77,12 @@ async def create(
     store: StoreDep,
     extra_processors: ExtraProcessors,
 ) -> ResponseObject | EventStream:
-    async with serving(request, body.model) as (engine, loaded):
-        return await create_response(
+    return await answer(
+        request,
+        body.model,
+        bool(body.stream),
+        "responses",
+        lambda engine, loaded: create_response(
             body,
             request,
             loaded,
@@ -87,7 +91,8 @@ async def create(
             vocab_size(loaded),
             store,
             extra_processors,
-        )
+        ),
+    )
 
 
 @router.get(
