@@ -18,6 +18,8 @@ import anthropic
 import httpx
 import pytest
 
+from flashserve.engine.config import EngineConfig
+from flashserve.engine.models.catalog import CatalogError, build
 from flashserve.engine.weights.sources import default_model_path
 from flashserve.engine.weights.synthetic import make_model_dir
 from tests.conftest import NO_EOS, Server, start_server, stop_server
@@ -297,3 +299,32 @@ context = 512
         assert json.loads(json.dumps(health))["status"] == "ok"
     finally:
         stop_server(server)
+
+
+def test_catalog_names_tables_and_their_checks(models_dir: Path, tmp_path: Path) -> None:
+    base = EngineConfig()
+    tables = {
+        "tiny-llama": {"aliases": ["main"], "speculative": "draft"},
+        "tiny-llama-copy": {"path": str(models_dir / "tiny-llama"), "context": 256},
+    }
+    tables["tiny-llama"]["speculative_draft_model"] = "SmolLM2"  # another model, by id
+    entries, default = build(base, None, None, str(models_dir), tables)
+    by_name = {e.name: e for e in entries}
+    assert default is None  # models_dir alone: nothing loads at start
+    assert set(by_name) == {"tiny-llama", "tiny-qwen3", "SmolLM2", "broken", "tiny-llama-copy"}
+    assert by_name["tiny-llama"].names == {"tiny-llama", "main"}
+    assert by_name["tiny-llama"].config.speculative == "draft"
+    assert by_name["tiny-llama"].config.speculative_draft_model == str(models_dir / "SmolLM2.gguf")
+    assert by_name["tiny-llama-copy"].config.context_length == 256
+    assert by_name["tiny-qwen3"].config.speculative == "off"  # the server's settings
+    with pytest.raises(CatalogError, match="device"):
+        build(base, None, None, str(models_dir), {"tiny-qwen3": {"device": "gpu"}})
+    with pytest.raises(CatalogError, match="'tiny-llama' is both"):
+        build(base, None, None, str(models_dir), {"tiny-qwen3": {"aliases": ["tiny-llama"]}})
+    with pytest.raises(CatalogError, match="no path"):
+        build(base, None, None, str(models_dir), {"elsewhere": {"pinned": True}})
+    # --model alone: one entry, pinned, the spec's own names, the config unchanged.
+    spec = str(models_dir / "tiny-qwen3")
+    (only,), default = build(EngineConfig(model=spec), spec, None, None, {})
+    assert default == only.name == "tiny-qwen3" and only.pinned
+    assert only.config.model == spec and spec in only.names

@@ -153,7 +153,18 @@ def build(
             )
         )
     _check_names(entries)
+    _draft_paths(entries)
     return entries, default_name
+
+
+def _draft_paths(entries: list[ModelEntry]) -> None:
+    """A speculative draft model named by another entry's id or alias: that model's files
+    (the draft is its own resident copy, beside the verifying model's worker)."""
+    paths = {n: e.config.model for e in entries for n in e.names if e.config.model}
+    for entry in entries:
+        draft = entry.config.speculative_draft_model
+        if draft in paths and draft not in entry.names:
+            entry.config = dataclasses.replace(entry.config, speculative_draft_model=paths[draft])
 
 
 def _local_path(path: Path | str) -> Path:
