@@ -29,6 +29,7 @@ SOURCES = [
     "engine/compute/csrc/qmm_avx512.cpp",
     "engine/compute/csrc/step_ops.cpp",
     "engine/compute/csrc/step_sdpa.cpp",
+    "engine/compute/csrc/step_sdpa_quant.cpp",
     "engine/compute/csrc/step_cache.cpp",
     "engine/compute/csrc/prompt_softmax.cpp",
     "engine/compute/csrc/prompt_dequant.cpp",

@@ -11,14 +11,27 @@ Bad values are startup errors that name the setting.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from flashserve.engine.compute import step_ops
+from flashserve.engine.config import EngineConfig
+from flashserve.engine.generation.requests import (
+    DoneEvent,
+    ErrorEvent,
+    GenerationRequest,
+    SamplingParams,
+    TokenEvent,
+)
+from flashserve.engine.generation.worker import Engine
+from flashserve.engine.kv import cache as kv_cache
 from flashserve.engine.weights.prepare import prepare
 from flashserve.engine.weights.synthetic import make_model_dir
 
@@ -297,3 +310,89 @@ def test_the_memory_plan_counts_kv_at_the_precision_in_use() -> None:
     assert full == 2 * 2 * 2 * HEAD * 4  # layers x (K, V) x kv_heads x head_dim x float32
     for bits in (8, 4):
         assert kv_bytes_per_token(model, config, bits, 64) == pytest.approx(full * RATIO[bits])
+
+
+LONG = [(7 * i) % 90 + 5 for i in range(700)]  # decode reads keys across three chunks of 256
+LONGER = LONG + list(range(50, 90))  # the next turn: the same 700, then 40 more
+
+
+def _greedy(
+    engine: Any, prompts: list[list[int]], cache: bool = False
+) -> list[tuple[list[int], int]]:
+    """Each prompt's 12 greedy tokens and cached prompt tokens, all submitted at once
+    (decoded in one batch); the prompt cache only if `cache`."""
+    bias = {int(k): v for k, v in NO_EOS.items()}
+
+    async def one(prompt: list[int]) -> tuple[list[int], int]:
+        out, cached = [], -1
+        sampling = SamplingParams(temperature=0, logit_bias=bias)
+        request = GenerationRequest(prompt, 12, sampling, use_prompt_cache=cache)
+        async for event in engine.submit(request):
+            assert not isinstance(event, ErrorEvent), event
+            if isinstance(event, TokenEvent):
+                out.append(event.token)
+            elif isinstance(event, DoneEvent):
+                cached = event.cached_tokens
+        return out, cached
+
+    async def run() -> list[tuple[list[int], int]]:
+        return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+    return asyncio.run(run())
+
+
+def _dequantizing(compute: Any) -> Any:
+    """compute() with decode steps dequantizing the cache, as before the packed op."""
+    kv_cache.set_packed_attention(False)
+    try:
+        return compute()
+    finally:
+        kv_cache.set_packed_attention(True)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_packed_attention_decodes_the_dequantized_paths_tokens(
+    wide_llama: Path, tmp_path: Path, bits: int, monkeypatch: pytest.MonkeyPatch
+):
+    """Decode reading the packed cache (compute/step_ops.quantized_attention) gives the
+    greedy tokens the dequantize + float path gives: alone, batched (left padding), and
+    continuing a prompt-cache hit, over contexts of several key chunks. The two differ
+    by float32 rounding (below 2e-5 of an attention output: tests/test_sdpa_quant.py),
+    far below the logit gaps greedy decoding turns on; a cache read wrongly changes
+    the tokens at once."""
+    taken: list[bool] = []
+    real = step_ops.quantized_attention
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        out = real(*args, **kwargs)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(step_ops, "quantized_attention", counted)
+    config = EngineConfig(
+        model=str(wide_llama),
+        kv_bits=bits,
+        max_batch=4,
+        prompt_cache_bytes=64 << 20,
+        prompt_cache_dir=str(tmp_path / "prompt-cache"),
+    )
+    engine = Engine(config)
+    engine.start()
+    assert engine.wait_ready(60), engine.load_error
+    try:
+        prompts = [LONG, BASE, GROWN]
+        before = _dequantizing(lambda: [_greedy(engine, [p])[0][0] for p in prompts])
+        assert not any(taken)  # every step dequantized
+        alone = [_greedy(engine, [p])[0][0] for p in prompts]
+        assert any(taken)
+        assert alone == before
+        assert [t for t, _ in _greedy(engine, prompts)] == alone  # one batch, left-padded
+        # A turn stored, then the next one restored from the prompt cache and decoded on
+        # top: the tokens of the dequantizing path, cold.
+        want = _dequantizing(lambda: _greedy(engine, [LONGER])[0][0])
+        _greedy(engine, [LONG], cache=True)
+        got, cached = _greedy(engine, [LONGER], cache=True)[0]
+        assert cached >= len(LONG)
+        assert got == want
+    finally:
+        engine.shutdown()

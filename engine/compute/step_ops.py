@@ -206,6 +206,48 @@ def scaled_dot_product_attention(
     )
 
 
+def quantized_attention(
+    q: mx.array,
+    keys: Sequence[mx.array],
+    values: Sequence[mx.array],
+    scale: float,
+    mask: str | mx.array | None,
+    group_size: int,
+    bits: int,
+) -> mx.array | None:
+    """Decode attention over kv_bits' cache as one CPU op, or None where it does not apply.
+
+    `keys` and `values` are MLX-quantized (packed uint32, float32 scales,
+    biases), as kv/cache.py keeps them; the op reads them packed
+    (csrc/step_sdpa_quant.cpp). None (the caller dequantizes) for prompt
+    chunks (more than SDPA_MAX_QUERIES query rows), other dtypes, an
+    extension built without the op, or while the fast ops are off.
+    """
+    ext = _fast()
+    if (
+        ext is None
+        or not hasattr(ext, "sdpa_quant")
+        or q.dtype != mx.float32
+        or q.ndim != 4
+        or q.shape[2] > SDPA_MAX_QUERIES
+        or len(keys) != 3
+        or len(values) != 3
+        or any(a.dtype != mx.float32 for a in (*keys[1:], *values[1:]))
+        or keys[0].dtype != mx.uint32
+        or values[0].dtype != mx.uint32
+    ):
+        return None
+    if isinstance(mask, mx.array):
+        if mask.dtype not in (mx.bool_, mx.float32):
+            return None
+        mode, masks = (2 if mask.dtype == mx.bool_ else 3), [mask]
+    elif mask in _MASK_MODES:
+        mode, masks = _MASK_MODES[mask], []
+    else:
+        return None
+    return ext.sdpa_quant(q, list(keys), list(values), masks, mode, scale, group_size, bits)
+
+
 def logsumexp(
     a: mx.array,
     /,

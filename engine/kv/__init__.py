@@ -1,4 +1,4 @@
-"""KV cache quantization (the `kv_bits` setting). Imports config only.
+"""KV cache quantization (the `kv_bits` setting). Imports config and compute.
 
 - `cache`  attention KV stored quantized (mlx-lm's affine quantization): one
            sequence's cache (mlx-lm's QuantizedKVCache made batchable) and the

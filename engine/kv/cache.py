@@ -15,22 +15,31 @@ through `merge`, which QuantizedKVCache lacks. Here:
   mlx-lm's own left padding, filtering, extending and extracting apply to
   it unchanged; no padding or batch neighbour changes a row.
 
-Attention: dequantize + float attention on every device. MLX's CUDA
-backend lacks the quantized matmuls a prefill's shapes need, so mlx-lm's
-quantized SDPA fails there (docs/guides/cpu-and-gpu.md); on the CPU MLX's
-quantized matmuls over a batch of heads are several times slower than
-dequantizing the keys and values and running the float attention
-flashserve routes mx.fast.scaled_dot_product_attention to
-(compute/step_ops.py, compute/prompt_attention.py; the times are in
-docs/guides/kv-cache-quantization.md). So `install` points mlx-lm's
-quantized SDPA at `_attention`, which dequantizes (mx.dequantize's values; the
-float copy lives for one layer's attention) and takes that float path: the
-attention of exactly the values mlx-lm's would read (MLX's own float SDPA
-over them matched its quantized one bit for bit), with the float path's
-properties: a row's output depends neither on its chunk nor on left padding,
-so cached-prefix and batched greedy tokens match a cold prefill at the same
-kv_bits. The compiled decode step (generation/decode_step.py) takes plain
-BatchKVCache layers only, so a quantized batch decodes uncompiled.
+Attention. A decode step on the CPU (the fast path on, at most
+compute/step_ops.SDPA_MAX_QUERIES query rows) reads the packed cache as it
+is: compute/step_ops.quantized_attention, one op that scores and weighs the
+keys and values straight from their integers, scales and biases on every
+core (csrc/step_sdpa_quant.cpp). Dequantizing the whole cache each step and
+running the float kernel had made decode 0.38x (8 bits) / 0.29x (4 bits) of
+a float cache; the times are in docs/guides/kv-cache-quantization.md. Its
+numbers differ from the dequantized path's by float32 rounding (sums grouped
+differently; tests/test_sdpa_quant.py bounds it), and like the float kernel
+a row's result depends neither on left padding nor on batch neighbours.
+
+Everywhere else (prompt chunks, other devices, the fast path off) `_attention`
+dequantizes (mx.dequantize's values; the float copy lives for one layer's
+attention) and takes the float path: MLX's CUDA backend lacks the quantized
+matmuls a prefill's shapes need, so mlx-lm's quantized SDPA fails there
+(docs/guides/cpu-and-gpu.md), and on the CPU MLX's quantized matmuls over a
+batch of heads are several times slower than dequantizing and running the
+float attention flashserve routes mx.fast.scaled_dot_product_attention to
+(compute/step_ops.py, compute/prompt_attention.py). That path gives exactly
+the values mlx-lm's would read (MLX's own float SDPA over them matched its
+quantized one bit for bit), with the float path's properties: a row's output
+depends neither on its chunk nor on left padding, so cached-prefix and
+batched greedy tokens match a cold prefill at the same kv_bits. The compiled
+decode step (generation/decode_step.py) takes plain BatchKVCache layers
+only, so a quantized batch decodes uncompiled.
 
 Only plain attention layers (a model's KVCache) are quantized; rotating
 windows and recurrent state stay as the model makes them.
@@ -47,11 +56,29 @@ import mlx.nn as nn
 from mlx_lm.models import base as mlx_base
 from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache, _BaseCache
 
+from flashserve.engine.compute import step_ops
 from flashserve.engine.kv import BITS, GROUP_SIZES
 
 log = logging.getLogger(__name__)
 
 _PARTS = 3  # packed integers, scales, biases
+
+
+class _Switch:
+    packed = True  # decode attention reads the packed cache (tests, bench: False compares)
+
+
+_switch = _Switch()
+
+
+def set_packed_attention(on: bool) -> None:
+    """Let decode steps read the packed cache (the default), or dequantize it as before."""
+    _switch.packed = on
+
+
+def packed_attention() -> bool:
+    """Whether decode steps may read the packed cache (off: every step dequantizes)."""
+    return _switch.packed
 
 
 class QuantizedSeqKVCache(QuantizedKVCache):
@@ -188,7 +215,12 @@ def _attention(
     group_size: int = 64,
     bits: int = 8,
 ) -> mx.array:
-    """mlx-lm's quantized SDPA, as dequantize + float attention (why: above)."""
+    """mlx-lm's quantized SDPA: the packed-cache op for a decode step on the CPU,
+    else dequantize + float attention (why: above)."""
+    if _switch.packed:
+        out = step_ops.quantized_attention(queries, q_keys, q_values, scale, mask, group_size, bits)
+        if out is not None:
+            return out
     keys = _dequantize(q_keys, group_size, bits)
     values = _dequantize(q_values, group_size, bits)
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)

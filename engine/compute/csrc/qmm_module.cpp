@@ -481,4 +481,5 @@ NB_MODULE(_qmm, m) {
   m.def("runtime_mlx_version", [] { return std::string(mx::version()); },
         "the version of the libmlx this module is linked to at run time");
   add_step_ops(m);
+  add_sdpa_quant(m);
 }

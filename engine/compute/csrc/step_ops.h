@@ -14,6 +14,9 @@ void add_step_ops(nanobind::module_& m);
 // Adds sdpa (step_sdpa.cpp).
 void add_sdpa(nanobind::module_& m);
 
+// Adds sdpa_quant (step_sdpa_quant.cpp).
+void add_sdpa_quant(nanobind::module_& m);
+
 // Adds cache_write (step_cache.cpp).
 void add_cache_write(nanobind::module_& m);
 
