@@ -22,7 +22,7 @@ from flashserve.engine.config import EngineConfig
 from flashserve.engine.models.catalog import CatalogError, build
 from flashserve.engine.weights.sources import default_model_path
 from flashserve.engine.weights.synthetic import make_model_dir
-from tests.conftest import NO_EOS, Server, start_server, stop_server
+from tests.conftest import NO_EOS, Server, metric, start_server, stop_server
 from tests.test_gguf_gemma import gemma_path  # noqa: F401  (a fixture)
 from tests.test_memory_limits import _make_group, _remove_group, _start_in_group
 
@@ -328,3 +328,39 @@ def test_catalog_names_tables_and_their_checks(models_dir: Path, tmp_path: Path)
     (only,), default = build(EngineConfig(model=spec), spec, None, None, {})
     assert default == only.name == "tiny-qwen3" and only.pinned
     assert only.config.model == spec and spec in only.names
+
+
+def test_a_prefill_goes_before_another_models_decode(mid_models: Path, tmp_path: Path) -> None:
+    """While one model decodes, another's prompt prefills first (its decode steps wait,
+    briefly: generation/fairness.py); neither model's tokens change."""
+    server = start_server(None, tmp_path, "--models-dir", str(mid_models))
+    try:
+        http = server.http(timeout=300)
+        long_alone = _text(_complete(http, "mid-llama", 96))
+        prompt = "A prompt long enough to take a while to prefill. " * 12
+        short_alone = _text(_complete(http, "mid-qwen3", 4, prompt=prompt))
+        waited = metric(http.get("/metrics").text, "flashserve_models_decode_wait_seconds_total")
+        assert waited == 0.0  # one model at a time: nobody waited
+
+        long: list[str] = []
+        decoding = threading.Event()
+
+        def decode() -> None:
+            body = {"model": "mid-llama", "prompt": "Once upon a time", "max_tokens": 96}
+            body |= {"temperature": 0, "logit_bias": NO_EOS, "stream": True}
+            with server.http(timeout=300).stream("POST", "/v1/completions", json=body) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        long.append(json.loads(line[6:])["choices"][0]["text"])
+                        decoding.set()
+
+        thread = threading.Thread(target=decode)
+        thread.start()
+        assert decoding.wait(120)
+        shorts = [_text(_complete(http, "mid-qwen3", 4, prompt=prompt)) for _ in range(2)]
+        thread.join()
+        assert "".join(long) == long_alone and shorts == [short_alone] * 2
+        waited = metric(http.get("/metrics").text, "flashserve_models_decode_wait_seconds_total")
+        assert waited is not None and waited > 0
+    finally:
+        stop_server(server)

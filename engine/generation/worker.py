@@ -24,7 +24,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from flashserve.engine.compute import blas, heap
 from flashserve.engine.config import EngineConfig
 from flashserve.engine.distributed.mirror import Mirror, load_model
-from flashserve.engine.generation import decode_step, prompt_states
+from flashserve.engine.generation import decode_step, fairness, prompt_states
 from flashserve.engine.generation.choices import Choice, Start, keep_first_space
 from flashserve.engine.generation.memory_guard import MemoryGuard, kv_tokens
 from flashserve.engine.generation.prefill import (
@@ -218,6 +218,7 @@ class Engine:
         )
         if self.mirror is None:  # the ranks of a split model step alike: plain steps only
             self.speculation.install(batch, loaded.tokenizer)
+            fairness.gate(batch)  # beside other engines: another's prefill first, briefly
         return batch if self.mirror is None else self.mirror.wrap(batch)  # type: ignore[return-value]
 
     def _loop(self) -> None:

@@ -30,6 +30,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from flashserve.engine.compute import heap
+from flashserve.engine.generation import fairness
 from flashserve.engine.generation.worker import Engine
 from flashserve.engine.models.catalog import ModelEntry
 from flashserve.engine.streaming.memory import process_private, system_memory
@@ -289,10 +290,12 @@ class ModelPool:
         return self._load_lock
 
     def numbers(self) -> dict:
-        """/metrics: how many models are loaded, and the loads and unloads so far."""
+        """/metrics: how many models are loaded, the loads and unloads so far, and the
+        time decode steps waited for another model's prefill (generation/fairness.py)."""
         loaded = sum(1 for s in self.slots.values() if s.engine is not None)
         return {"loaded": loaded, "known": len(self.slots), "loads_total": self.loads,
-                "unloads_total": self.unloads}  # fmt: skip
+                "unloads_total": self.unloads,
+                "decode_wait_seconds_total": fairness.board.waited_s}  # fmt: skip
 
     def describe(self) -> list[dict]:
         """Each model's state for /v1/models and /memory."""

@@ -1,7 +1,8 @@
 """The mlx-lm internals flashserve relies on, named in this module alone.
 
 Speculative decoding uses most of them; the compiled decode step
-(generation/decode_step.py) reads and moves BatchKVCache's write position too.
+(generation/decode_step.py) reads and moves BatchKVCache's write position too,
+and generation/fairness.py asks whether a batch's next step prefills.
 
 mlx-lm's continuous batching has no public hook for a step that emits several
 tokens per sequence, nor for taking a batch's KV cache back per sequence, so
@@ -97,6 +98,11 @@ def live_uids(batch: BatchGenerator, uids: list[int]) -> set[int]:
     return set(batch._find_uids(uids))
 
 
+def prompts_pending(batch: BatchGenerator) -> bool:
+    """Whether the batch's next step prefills prompts (queued or part way through)."""
+    return bool(batch._unprocessed_sequences) or bool(batch._currently_processing)
+
+
 def write_position(cache: BatchKVCache) -> int:
     """The position the next keys are written at, shared by every sequence."""
     return cache._idx
@@ -136,6 +142,7 @@ def check() -> None:
     InternalsChanged naming the first one missing."""
     generator = BatchGenerator(None)
     _require("BatchGenerator", generator, ("_generation_batch", "_find_uids"))
+    _require("BatchGenerator", generator, ("_unprocessed_sequences", "_currently_processing"))
     generation = GenerationBatch.empty(None, greedy_sampler)
     _require(
         "GenerationBatch",
