@@ -16,6 +16,10 @@ never those below):
 - `streaming`    decoder layers on SSD: the layer streamer, residency planning
                  and shedding, memory probes, disk helpers, loading a prepared
                  directory (which may install the expert cache).
+- `vision`       images in: a vision-language model's tower, projector and
+                 image processor (mlx-vlm, the `vision` extra), images decoded
+                 and hashed, their tokens in the prompt, the embeddings a
+                 prompt with images is prefilled from.
 - `loader`       a model spec -> LoadedModel, choosing among the above.
 - `distributed`  one model split across machines by layer ranges (MLX's
                  distributed engine): each rank's share, rank 0's messages,

@@ -19,6 +19,7 @@ from flashserve.engine.compute.prompt_matmul import use_blas_for_prompts
 from flashserve.engine.config import EngineConfig
 from flashserve.engine.kv import cache as kv_cache
 from flashserve.engine.streaming.prepared import load_prepared
+from flashserve.engine.vision.tower import VisionError, load_vision
 from flashserve.engine.weights.model import LoadedModel, ModelLoadError, context_length_of
 from flashserve.engine.weights.sources import is_prepared, load_plain, model_id, resolve
 
@@ -48,6 +49,10 @@ def load(config: EngineConfig) -> LoadedModel:
             path=target if not isinstance(target, str) else None,
             context_length=context_length_of(model_config),
         )
+    try:  # before the language model's fast paths: a refusal should come first
+        loaded.vision = load_vision(loaded.path, loaded.config, loaded.tokenizer)
+    except VisionError as exc:
+        raise ModelLoadError(str(exc)) from None
     if config.context_length and config.context_length < loaded.context_length:
         loaded.model_context_length = loaded.model_context_length or loaded.context_length
         loaded.context_length = config.context_length

@@ -216,6 +216,14 @@ class Settings(BaseSettings):
     allowed_origins: Annotated[list[str], NoDecode] = Field(default_factory=list)
     max_body_bytes: int = Field(4_000_000, ge=1024)
     request_timeout: float = Field(600.0, gt=0, description="seconds per request")
+    # Images (vision-language models)
+    max_images: int = Field(8, ge=1, le=256, description="images per request, at most")
+    max_image_pixels: int = Field(
+        1_048_576,
+        ge=784,
+        description="pixels per image; a larger image is downscaled to fit (aspect kept)",
+    )
+
     stream_keepalive: float = Field(
         5.0,
         ge=0,

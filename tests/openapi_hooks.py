@@ -49,6 +49,8 @@ BEYOND_SCHEMA: list[tuple[str, str]] = [
     (r"max_tokens", r"max_tokens 0 asks for no completion"),
     # A suffix (fill in the middle) with echo: two fields.
     (r"suffix", r"suffix cannot be used with echo"),
+    # A user's image against the model served: a text-only model refuses it.
+    (r"messages\.\d+\.content\.\d+(\.source)?", r"this model accepts text only"),
 ]
 
 

@@ -477,7 +477,7 @@ def test_invalid_requests_are_anthropic_errors(server: Server) -> None:
     image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": ""}}
     with pytest.raises(anthropic.BadRequestError) as media:
         ask(server, messages=[{"role": "user", "content": [image]}])
-    assert_anthropic_error(media.value, "invalid_request_error", "image content blocks")
+    assert_anthropic_error(media.value, "invalid_request_error", "accepts text only")
     prefill = [*ASK, {"role": "assistant", "content": "The weather is"}]
     with pytest.raises(anthropic.BadRequestError, match="prefill"):
         ask(server, messages=prefill)

@@ -119,6 +119,7 @@ ENGINE_ORDER = [
     "weights",
     "experts",
     "streaming",
+    "vision",
     "loader",
     "distributed",
     "prompt_cache",

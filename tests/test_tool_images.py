@@ -91,7 +91,7 @@ def test_anthropic_tool_result_image_is_a_placeholder(server: Server) -> None:
             messages=[{"role": "user", "content": [header, image]}],
         )
     assert refused.value.body["error"]["type"] == "invalid_request_error"
-    assert "image content blocks are not supported" in refused.value.body["error"]["message"]
+    assert "this model accepts text only" in refused.value.body["error"]["message"]
 
 
 # -- Chat Completions ----------------------------------------------------------------

@@ -44,7 +44,16 @@ class Start:
     def alone(self) -> bool:
         """Whether the prompt is prefilled outside the batch (shared_prefill.py says why)."""
         request = self.handle.request
-        return request.n > 1 or request.prompt_logprobs is not None or request.max_tokens == 0
+        return (
+            request.n > 1
+            or request.prompt_logprobs is not None
+            or request.max_tokens == 0
+            or bool(self.images)  # prefilled with the images' embeddings (vision/embed.py)
+        )
+
+    @property
+    def images(self) -> list[Any]:
+        return self.handle.request.images
 
 
 @dataclass

@@ -67,4 +67,8 @@ def store_cancelled_prefill(
 def store_answer(cache: PromptCache, choice: Choice, response: Any) -> None:
     """Store the state after the prompt and its answer."""
     if choice.handle.request.use_prompt_cache and response.prompt_cache is not None:
-        cache.store(list(response.all_tokens), response.prompt_cache)
+        tokens = list(response.all_tokens)
+        request = choice.handle.request
+        if request.images:  # the batch saw their real ids (vision/prompt.py): keyed by hash
+            tokens[: len(request.prompt_tokens)] = request.prompt_tokens
+        cache.store(tokens, response.prompt_cache)

@@ -65,6 +65,9 @@ class GenerationRequest:
     processor_factory: Callable[[int], list[LogitsProcessor]] | None = None
     # False: no speculative decoding for this request, whatever the server's setting.
     speculative: bool = True
+    # A vision-language model's images (vision.images.Image), in prompt order; their
+    # placeholders in prompt_tokens are marked (vision/prompt.py).
+    images: list[Any] = field(default_factory=list)
 
 
 @dataclass

@@ -15,6 +15,7 @@ from mlx_lm.sample_utils import greedy_sampler, make_logits_processors
 
 from flashserve.engine.generation.requests import LogitsProcessor, SamplingParams
 from flashserve.engine.speculative.accept import Sampling, truncations
+from flashserve.engine.vision.prompt import real_tokens
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +112,7 @@ def sample_first(
     batch (generation/prefill.py, shared_prefill.py) hands these logits over."""
     logits = logits.reshape(1, -1)
     if processors is not None:
-        logits = processors(mx.array(prompt, dtype=mx.int32), logits)
+        # An image's virtual id (vision/prompt.py) is its placeholder's id to a processor.
+        logits = processors(mx.array(real_tokens(prompt), dtype=mx.int32), logits)
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     return int(sampler(logprobs).item()), logprobs

@@ -18,6 +18,7 @@ import mlx.core as mx
 
 from flashserve.engine.generation.logprobs import TopLogprobs, next_token_logprobs
 from flashserve.engine.generation.requests import PromptLogprobsEvent
+from flashserve.engine.vision.embed import Embed, real_tokens
 
 
 class PrefillCancelled(Exception):
@@ -52,10 +53,12 @@ def prefill_alone(
     step: int,
     scores: PromptScores | None = None,
     cancelled: Callable[[], bool] = lambda: False,
+    embed: Embed | None = None,
 ) -> mx.array:
     """Run prompt[start:] into `cache` (which holds prompt[:start]); the (vocab,)
     logits after the last token. With `scores` (start must be 0) every position's
-    logprobs are gathered on the way."""
+    logprobs are gathered on the way. With `embed` (a prompt with images) each
+    chunk goes in as its embeddings, the images' features merged in."""
     assert scores is None or start == 0, "prompt logprobs need the whole prompt computed"
     end = len(prompt) - 1
     position = start
@@ -63,12 +66,21 @@ def prefill_alone(
         if cancelled():
             raise PrefillCancelled
         chunk = prompt[position : min(position + step, end)]
-        logits = model(mx.array([chunk]), cache=cache)
+        logits = _forward(model, chunk, position, cache, embed)
         if scores is not None:
             scores.add(logits[0], position)
         # The chunk's cache update is part of its logits' graph: this computes it.
         mx.eval(logits[0, -1])
         position += len(chunk)
-    logits = model(mx.array([prompt[end:]]), cache=cache)[0, -1]
+    logits = _forward(model, prompt[end:], end, cache, embed)[0, -1]
     mx.eval(logits)
     return logits
+
+
+def _forward(
+    model: Any, tokens: list[int], position: int, cache: list[Any], embed: Embed | None
+) -> mx.array:
+    if embed is None:
+        return model(mx.array([tokens]), cache=cache)
+    inputs = mx.array([real_tokens(tokens)])
+    return model(inputs, cache=cache, input_embeddings=embed(position, tokens))

@@ -60,6 +60,7 @@ from flashserve.engine.generation.stats import (
 from flashserve.engine.generation.stops import StopMatcher
 from flashserve.engine.prompt_cache.cache import PromptCache, prompt_cache_for
 from flashserve.engine.speculative.batch import Speculation, SpeculativeConfig
+from flashserve.engine.vision.embed import image_embedder, real_tokens
 from flashserve.engine.weights.model import LoadedModel
 from flashserve.engine.weights.reader import WeightFileError
 
@@ -378,7 +379,7 @@ class Engine:
         decodes from the second token on.
         """
         # A request that wants its prompt's logprobs is prefilled alone, which keeps them.
-        starts = [s for s in starts if s.handle.request.prompt_logprobs is None]
+        starts = [s for s in starts if s.handle.request.prompt_logprobs is None and not s.images]
         if self._layer_major is None or not self._layer_major_wanted() or not starts:
             return
         assert self.loaded is not None
@@ -465,8 +466,7 @@ class Engine:
                 return
 
     def _prefill_alone(self, start: Start) -> bool:
-        """Prefill the prompt outside the batch (generation/shared_prefill.py); False
-        when the request ended instead."""
+        """Prefill outside the batch (generation/shared_prefill.py); False if the request ended."""
         assert self.loaded is not None
         request = start.handle.request
         if start.cache is None:
@@ -482,6 +482,7 @@ class Engine:
                 self.config.prefill_step_size,
                 start.scores,
                 start.handle.was_cancelled,
+                image_embedder(self.loaded.model, self.loaded.vision, start.prompt, start.images),
             )
         except PrefillCancelled:
             self._cancel_waiting(start.handle)
@@ -533,7 +534,7 @@ class Engine:
             max_tokens=[max_tokens],
             caches=[cache] if cache is not None else None,
             # The reused tokens are history for penalties, as in a cold prefill.
-            all_tokens=[prompt[: min(reused, len(prompt))]],
+            all_tokens=[real_tokens(prompt[: min(reused, len(prompt))])],
             samplers=[sampler],
             logits_processors=[[choice.processors] if choice.processors else []],
             stop_sequences=[StopSequences([[t] for t in tokenizer.eos_token_ids])],

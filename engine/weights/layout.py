@@ -91,6 +91,11 @@ ALIGN = 256
 PAD_PREFIX = "__pad__."  # padding tensors between aligned tensors; never loaded
 MANIFEST_NAME = "manifest.json"
 NON_LAYER_FILE = "non_layer.safetensors"
+# A vision-language model's tower and projector, as its checkpoint holds them
+# (mlx-vlm's names): always resident, read by engine/vision/tower.py.
+VISION_FILE = "vision.safetensors"
+# Tensors of the language model in a vision-language checkpoint; the rest is vision.
+LANGUAGE_PREFIXES = ("language_model.", "model.language_model.", "lm_head.")
 
 
 def layer_file(index: int) -> str:

@@ -38,6 +38,9 @@ class LoadedModel:
     # The model's own context where memory bounds `context_length` to less (the
     # dense memory plan: streaming/denseplan.py); None: it does not.
     model_context_length: int | None = None
+    # A vision-language model's tower, projector and image processor
+    # (vision.tower.VisionModel); None for a text-only model.
+    vision: Any = None
 
 
 def context_length_of(config: dict) -> int:

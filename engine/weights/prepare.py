@@ -31,9 +31,11 @@ from flashserve.engine.weights.layout import (
     ALIGN,
     FORMAT,
     FORMAT_VERSION,
+    LANGUAGE_PREFIXES,
     MANIFEST_NAME,
     NON_LAYER_FILE,
     PAD_PREFIX,
+    VISION_FILE,
     align_up,
     dtype_name,
     experts_file,
@@ -274,6 +276,22 @@ def _write_tokenizer(src: _Source, out: Path) -> list[str]:
     return names
 
 
+def _write_vision(src: _Source, out: Path) -> list[str]:
+    """A vision-language model's tower and projector, copied as they are (the
+    language model's mlx-lm class drops them as it loads); their names."""
+    if not src.config.get("vision_config") or src.path is None or not src.path.is_dir():
+        return []
+    tensors: dict[str, mx.array] = {}
+    for file in sorted(src.path.glob("*.safetensors")):
+        loaded = mx.load(str(file))
+        assert isinstance(loaded, dict)
+        tensors.update({k: v for k, v in loaded.items() if not k.startswith(LANGUAGE_PREFIXES)})
+    if not tensors:
+        return []
+    mx.save_safetensors(str(out / VISION_FILE), tensors, metadata={"format": "mlx"})
+    return [VISION_FILE]
+
+
 def _write_config(config: dict, quant: dict[str, dict], out: Path) -> dict | None:
     from mlx_lm.utils import save_config
 
@@ -290,7 +308,8 @@ def _write_config(config: dict, quant: dict[str, dict], out: Path) -> dict | Non
         # whose width differs from the default so the shapes come out right.
         entries = {p: q for p, q in quant.items() if q != default}
         config["quantization"] = {**default, **entries}
-    save_config(config, out / "config.json")
+    # A vision model's tower is rebuilt from vision_config (vision.safetensors beside).
+    save_config(config, out / "config.json", keep_vision_config=bool(config.get("vision_config")))
     return default
 
 
@@ -473,7 +492,7 @@ def prepare(
     quant = quantized_modules(model)
     total = len(layers) + 1
 
-    small_files = [*_write_tokenizer(src, out), "config.json"]
+    small_files = [*_write_tokenizer(src, out), *_write_vision(src, out), "config.json"]
     default_quant = _write_config(src.config, quant, out)
 
     non_layer_arrays = [

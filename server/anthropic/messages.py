@@ -59,6 +59,7 @@ from flashserve.server.chat.conversation import (
 from flashserve.server.chat.pipeline import ChatTurn, render_chat, start_chat
 from flashserve.server.generation import Generation, cancel_on_disconnect, with_keepalive
 from flashserve.server.http.errors import SERVER_ERROR, APIError
+from flashserve.server.http.images import ImageParts
 from flashserve.server.http.sse import EventStream
 
 log = logging.getLogger(__name__)
@@ -243,7 +244,7 @@ async def create_message(
 ) -> Message | EventStream:
     message_id = new_message_id()
     turn = await start_chat(
-        chat_request(body, vocab_size),
+        chat_request(body, vocab_size, ImageParts(loaded.vision, options.images)),
         loaded,
         engine,
         options,
@@ -324,5 +325,6 @@ async def count_tokens(
     body: CountTokensRequest, loaded: LoadedModel, options: ChatOptions, vocab_size: int
 ) -> CountTokensResponse:
     """The prompt's tokens, rendered exactly as /v1/messages renders it."""
-    _, _, prompt = await render_chat(chat_request(body, vocab_size), loaded, options)
+    parts = ImageParts(loaded.vision, options.images)
+    _, _, prompt = await render_chat(chat_request(body, vocab_size, parts), loaded, options)
     return CountTokensResponse(input_tokens=len(prompt))

@@ -10,11 +10,13 @@ The published OpenAPI document (/openapi.json) is generated from these models,
 so what they accept is what the document promises, as in server/openai/protocol.py:
 request models are strict (JSON `true` is not the integer 1, `"0.5"` is not a
 number; 2.0 is an integer, as JSON Schema counts), and content the server cannot
-honour (images, documents, a block in the wrong role's message) is not in the
-schema: a before-validator refuses it with a message that says why, instead of
-pydantic's "does not match any of the expected tags". An image or document
-inside a `tool_result` is the exception: an agent's tool (Claude Code's Read)
-put it there, so it is accepted and the model reads a placeholder instead.
+honour (documents, a block in the wrong role's message) is not in the schema: a
+before-validator refuses it with a message that says why, instead of pydantic's
+"does not match any of the expected tags". Images are accepted: a
+vision-language model sees them, a text-only model refuses a user's image (400,
+server/http/images.py). An image or document inside a `tool_result` is accepted
+for every model: an agent's tool (Claude Code's Read) put it there, and a
+text-only model reads a placeholder instead.
 """
 
 from __future__ import annotations
@@ -33,11 +35,11 @@ MAX_STOP_SEQUENCES = 16
 # Anthropic's tool names (MCP tools in Claude Code: mcp__server__tool) go into
 # tool-call markup and parsers' regexes: plain characters only.
 TOOL_NAME = r"^[A-Za-z0-9_.:-]+$"
-# Content a text-only model cannot read: refused with a clear message.
-MEDIA = ("image", "document", "search_result", "container_upload")
+# Content this server cannot read: refused with a clear message.
+MEDIA = ("document", "search_result", "container_upload")
 # What a tool_result may hold besides text: read by the model as a placeholder.
 TOOL_RESULT_MEDIA = ("image", "document")
-USER_BLOCKS = ("text", "tool_result")
+USER_BLOCKS = ("text", "image", "tool_result")
 ASSISTANT_BLOCKS = ("text", "tool_use", "thinking", "redacted_thinking")
 
 
@@ -77,8 +79,8 @@ def _refuse_block(allowed: tuple[str, ...], where: str) -> BeforeValidator:
             return value
         if kind in MEDIA:
             raise ValueError(
-                f"{kind} content blocks are not supported: this server serves a text-only "
-                "model (send text blocks)."
+                f"{kind} content blocks are not supported here (send text blocks, or image "
+                "blocks to a vision-language model)."
             )
         if kind in USER_BLOCKS or kind in ASSISTANT_BLOCKS:
             raise ValueError(f"{where} cannot hold {kind} blocks.")
@@ -92,6 +94,13 @@ class MediaBlock(_Block):
     PDF): the model reads a placeholder in its place (anthropic/translate.py)."""
 
     type: Literal["image", "document"]
+    source: dict[str, Any]
+
+
+class ImageBlock(_Block):
+    """A user's image (`source`: base64 data): for a vision-language model."""
+
+    type: Literal["image"]
     source: dict[str, Any]
 
 
@@ -124,7 +133,7 @@ class RedactedThinkingBlock(_Block):
 
 
 UserBlock = Annotated[
-    TextBlock | ToolResultBlock,
+    TextBlock | ImageBlock | ToolResultBlock,
     Field(discriminator="type"),
     _refuse_block(USER_BLOCKS, "A user message"),
 ]

@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import json
 import logging
+from functools import partial
 from typing import Any
 
 from flashserve.engine.generation.requests import SamplingParams
 from flashserve.server.anthropic.protocol import (
     AssistantMessage,
     ConversationFields,
+    ImageBlock,
     MessagesRequest,
     SystemMessage,
     TextBlock,
@@ -37,6 +39,7 @@ from flashserve.server.anthropic.protocol import (
 from flashserve.server.chat.conversation import ChatRequest
 from flashserve.server.http.errors import invalid_request
 from flashserve.server.http.ignored import omitted_media
+from flashserve.server.http.images import ImageParts
 from flashserve.server.openai.common import GREEDY_BELOW
 
 log = logging.getLogger(__name__)
@@ -46,15 +49,19 @@ DEFAULT_TEMPERATURE = 1.0  # Anthropic's default
 TOOL_ERROR_PREFIX = "Error: "
 
 
-def chat_request(body: ConversationFields, vocab_size: int) -> ChatRequest:
+def chat_request(
+    body: ConversationFields, vocab_size: int, images: ImageParts | None = None
+) -> ChatRequest:
     """The pipeline's request for a Messages (or count_tokens) body; 400 on what
     this server cannot serve and no schema can state (a final assistant message, a
-    tool_choice that names no client tool). Images and documents get here only
-    inside a tool_result, as placeholders: the request models refuse the rest."""
+    tool_choice that names no client tool, an image the model cannot take).
+    Documents get here only inside a tool_result, as placeholders."""
+    images = images or ImageParts(None)
     tools = _tools(body)
     choice = body.tool_choice
     request = ChatRequest(
-        messages=template_messages(body),
+        messages=template_messages(body, images),
+        images=images.images,
         sampling=SamplingParams(),
         tools=tools,
         tool_choice=_tool_choice(choice, tools) if tools or choice else None,
@@ -149,7 +156,7 @@ def system_text(system: str | list[TextBlock] | None) -> str | None:
     return "\n".join(block.text for block in system)
 
 
-def template_messages(body: ConversationFields) -> list[dict[str, Any]]:
+def template_messages(body: ConversationFields, images: ImageParts) -> list[dict[str, Any]]:
     """The conversation in the shape chat templates read."""
     if body.messages[-1].role == "assistant":
         # Anthropic continues a final assistant message (a "prefill"); the chat
@@ -164,7 +171,7 @@ def template_messages(body: ConversationFields) -> list[dict[str, Any]]:
     if system:
         out.append({"role": "system", "content": system})
     tool_names: dict[str, str] = {}  # tool_use id -> name, for the tool messages
-    for message in body.messages:
+    for i, message in enumerate(body.messages):
         if isinstance(message, SystemMessage):
             # Where it stands; chat/system_turns.py folds it for templates that
             # take a system message only first.
@@ -174,7 +181,7 @@ def template_messages(body: ConversationFields) -> list[dict[str, Any]]:
         elif isinstance(message, AssistantMessage):
             out.append(_assistant(message, tool_names))
         else:
-            out.extend(_user(message, tool_names))
+            out.extend(_user(message, tool_names, images, f"messages.{i}.content"))
     return out
 
 
@@ -207,7 +214,9 @@ def _assistant(message: AssistantMessage, tool_names: dict[str, str]) -> dict[st
     return out
 
 
-def _user(message: UserMessage, tool_names: dict[str, str]) -> list[dict[str, Any]]:
+def _user(
+    message: UserMessage, tool_names: dict[str, str], images: ImageParts, param: str
+) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     text: list[str] = []
 
@@ -216,26 +225,35 @@ def _user(message: UserMessage, tool_names: dict[str, str]) -> list[dict[str, An
             out.append({"role": "user", "content": "\n".join(text)})
             text.clear()
 
-    for block in message.content:  # text and tool_result only (protocol.py)
+    for j, block in enumerate(message.content):  # text, image, tool_result (protocol.py)
         if isinstance(block, TextBlock):
             text.append(block.text)
+        elif isinstance(block, ImageBlock):
+            text.append(images.source(block.source, f"{param}.{j}.source"))
         else:
             flush()
-            out.append(_tool_message(block, tool_names))
+            out.append(_tool_message(block, tool_names, images, f"{param}.{j}.content"))
     flush()
     return out
 
 
-def _tool_message(block: ToolResultBlock, tool_names: dict[str, str]) -> dict[str, Any]:
+def _tool_message(
+    block: ToolResultBlock, tool_names: dict[str, str], images: ImageParts, param: str
+) -> dict[str, Any]:
     if block.content is None or isinstance(block.content, str):
         content = block.content or ""
     else:
-        content = "\n".join(
-            part.text
-            if isinstance(part, TextBlock)
-            else omitted_media("a tool_result (Anthropic Messages)", part.type)
-            for part in block.content
-        )
+        where = "a tool_result (Anthropic Messages)"
+        texts = []
+        for j, part in enumerate(block.content):
+            if isinstance(part, TextBlock):
+                texts.append(part.text)
+            elif part.type == "image":  # a vision-language model sees it
+                add = partial(images.source, part.source, f"{param}.{j}.source")
+                texts.append(images.in_tool_output(add, where))
+            else:
+                texts.append(omitted_media(where, part.type))
+        content = "\n".join(texts)
     if block.is_error:
         content = TOOL_ERROR_PREFIX + content
     out = {"role": "tool", "tool_call_id": block.tool_use_id, "content": content}

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flashserve.engine.generation.requests import SamplingParams, TokenEvent
+from flashserve.server.http.images import ImageLimits
 
 
 @dataclass
@@ -41,6 +42,9 @@ class ChatRequest:
     n: int = 1  # choices, each parsed on its own (ChatTurn.choice_events)
     logprobs: int | None = None  # None: none; k: each token's logprob and the k likeliest
     speculative: bool = True  # False: the request opted out of speculative decoding
+    # A vision-language model's images (engine.vision.images.Image), in the order of
+    # the placeholders the dialect wrote into the messages' text (http/images.py).
+    images: list[Any] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,7 @@ class ChatOptions:
     prompt: PromptLimits = PromptLimits()
     stream_keepalive: float = 5.0  # seconds; 0: no keepalive events
     history_thinking: str = "empty"  # template | empty | keep (chat/think_history.py)
+    images: ImageLimits = field(default_factory=ImageLimits)
 
 
 # -- output events ------------------------------------------------------------------

@@ -87,6 +87,8 @@ async def render_chat(
         options.prompt,
         param=request.messages_param,
         history_thinking=thinking,
+        # The images' placeholders become the model's image tokens (engine/vision/prompt.py).
+        images=loaded.vision.prompt(request.images) if request.images else None,
     )
     return plan, prompt_text, prompt
 
@@ -139,6 +141,7 @@ async def start_chat(
             logprobs=request.logprobs,
             processor_factory=processors if request.n > 1 else None,
             speculative=request.speculative,
+            images=request.images,
         ),
         tracker=tracker,
     )

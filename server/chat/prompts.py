@@ -34,6 +34,8 @@ from typing import Any, TypeVar
 
 import jinja2
 
+from flashserve.engine.vision.images import ImageError
+from flashserve.engine.vision.prompt import ImagePrompt
 from flashserve.engine.weights.tokenizer import hf_tokenizer
 from flashserve.server.chat import sandbox, system_turns, think_history
 from flashserve.server.chat.conversation import PromptLimits
@@ -140,13 +142,15 @@ async def render_prompt(
     limits: PromptLimits | None = None,
     param: str = "messages",
     history_thinking: str = "template",
+    images: ImagePrompt | None = None,
 ) -> tuple[str, list[int]]:
     """Render the chat template; return (prompt text, prompt token ids).
 
     `messages` and `tools` are what the template reads (chat/tooling.py,
     template_inputs); a 400 naming `param` when the template rejects them.
     `history_thinking` restores earlier turns' think blocks (chat/think_history.py;
-    "template" leaves them to the template).
+    "template" leaves them to the template). `images`: the request's images, whose
+    placeholders become the model's image tokens.
     """
     limits = limits or PromptLimits()
     kwargs = dict(chat_template_kwargs or {})
@@ -169,7 +173,7 @@ async def render_prompt(
                 f"chat_template_kwargs.{key}",
             )
     job = _RenderJob(
-        tokenizer, messages, tools, kwargs, client_template, limits, param, history_thinking
+        tokenizer, messages, tools, kwargs, client_template, limits, param, history_thinking, images
     )
     return await run_render_job(job.run, limits, param)
 
@@ -186,6 +190,7 @@ class _RenderJob:
     limits: PromptLimits
     param: str
     history_thinking: str = "template"
+    images: ImagePrompt | None = None
 
     def run(self, deadline: float) -> tuple[str, list[int]]:
         """Template -> text -> token ids."""
@@ -203,7 +208,14 @@ def _render_and_encode(job: _RenderJob, deadline: float) -> tuple[str, list[int]
             param,
             "template_limit",
         )
-    ids = encode(tokenizer, check_unicode(text, param), add_special_tokens=False)
+    try:
+        if job.images is not None:
+            text = job.images.expand(text)
+        ids = encode(tokenizer, check_unicode(text, param), add_special_tokens=False)
+        if job.images is not None:
+            ids = job.images.mark(ids)
+    except ImageError as exc:
+        raise invalid_request(str(exc), param, "invalid_image") from None
     if not ids:
         raise invalid_request("The chat template rendered an empty prompt.", param, "empty_prompt")
     return text, ids

@@ -191,12 +191,30 @@ class EngineCollector(Collector):
                 yield GaugeMetricFamily(metric_name(PREFIX, name), doc, value=stats[key])
         yield from _ttft_metrics(stats.get("ttft"))
         yield from _speculative_metrics(stats.get("speculative"))
+        yield from _vision_metrics(getattr(getattr(engine, "loaded", None), "vision", None))
         steps = stats.get("batch_size_steps")
         if isinstance(steps, list) and len(steps) == len(BATCH_SIZE_BUCKETS):
             yield _batch_size_histogram(steps, stats.get("batch_size_sum", 0))
 
 
 TTFT_PARTS = ("queue_wait_s", "cache_lookup_s", "prefill_s", "first_step_s")
+
+
+def _vision_metrics(vision: Any) -> Iterator[Metric]:
+    """A vision-language model's tower (engine/vision/tower.py): images it encoded."""
+    if vision is None:
+        return
+    yield CounterMetricFamily(
+        metric_name(PREFIX, "images_encoded"),
+        "Images run through the vision tower (an image whose features or prompt state "
+        "were cached is not)",
+        value=vision.encodes,
+    )
+    yield CounterMetricFamily(
+        metric_name(PREFIX, "image_encode_seconds"),
+        "Seconds the vision tower spent encoding images (image processor included)",
+        value=vision.encode_seconds,
+    )
 
 
 def _ttft_metrics(ttft: Any) -> Iterator[Metric]:

@@ -37,7 +37,7 @@ from flashserve.server.generation import (
     with_keepalive,
 )
 from flashserve.server.http.errors import invalid_request
-from flashserve.server.http.ignored import omitted_media
+from flashserve.server.http.images import ImageParts
 from flashserve.server.http.sse import EventStream
 from flashserve.server.openai.common import choice_count, sampling_params, usage
 from flashserve.server.openai.logprobs import TokenStrings, chat_logprobs, token_strings
@@ -62,9 +62,15 @@ from flashserve.server.openai.protocol import ToolCallDelta as ToolCallDeltaOut
 Part = ContentPart | ImagePart
 
 
-def chat_request(body: ChatCompletionRequest, vocab_size: int, max_batch: int = 1) -> ChatRequest:
+def chat_request(
+    body: ChatCompletionRequest,
+    vocab_size: int,
+    max_batch: int = 1,
+    images: ImageParts | None = None,
+) -> ChatRequest:
     """The pipeline's request for an OpenAI chat body (400 on a bad logit_bias, n above
-    max_batch, top_logprobs without logprobs)."""
+    max_batch, top_logprobs without logprobs, an image the model cannot take)."""
+    images = images or ImageParts(None)
     if body.top_logprobs and not body.logprobs:
         raise invalid_request(
             "top_logprobs needs logprobs: true (it says how many tokens to list with each).",
@@ -73,8 +79,10 @@ def chat_request(body: ChatCompletionRequest, vocab_size: int, max_batch: int = 
         )
     return ChatRequest(
         messages=[
-            _template_message(m.model_dump(exclude_none=True), m.content) for m in body.messages
+            _template_message(m.model_dump(exclude_none=True), m.content, images, f"messages.{i}")
+            for i, m in enumerate(body.messages)
         ],
+        images=images.images,
         sampling=sampling_params(body, vocab_size),
         tools=[t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None,
         tool_choice=body.tool_choice,
@@ -92,25 +100,40 @@ def chat_request(body: ChatCompletionRequest, vocab_size: int, max_batch: int = 
     )
 
 
-def _template_message(data: dict[str, Any], content: str | Sequence[Part] | None) -> dict:
-    data["content"] = content_text(content) or ""
+def _template_message(
+    data: dict[str, Any], content: str | Sequence[Part] | None, images: ImageParts, param: str
+) -> dict:
+    data["content"] = content_text(content, images, param, tool=data["role"] == "tool") or ""
     if data["role"] == "developer":
         # Chat templates predate the developer role; it is a system message.
         data["role"] = "system"
     return data
 
 
-def content_text(content: str | Sequence[Part] | None) -> str | None:
+def content_text(
+    content: str | Sequence[Part] | None, images: ImageParts, param: str, tool: bool = False
+) -> str | None:
     """A message's content as one string: text parts are joined with newlines; an
-    image (only a tool message may hold one) is a placeholder."""
+    image is the model's placeholder (server/http/images.py), in a tool message read
+    by a text-only model as text that says it was left out."""
     if content is None or isinstance(content, str):
         return content
-    return "\n".join(
-        part.text or ""
-        if isinstance(part, ContentPart)
-        else omitted_media("a tool message (Chat Completions)")
-        for part in content
-    )
+    texts = []
+    for j, part in enumerate(content):
+        if isinstance(part, ContentPart):
+            texts.append(part.text or "")
+            continue
+        at = f"{param}.content.{j}"
+
+        def add(part: ImagePart = part, at: str = at) -> str:
+            return images.data_url(part.image_url.get("url"), f"{at}.image_url.url")
+
+        if tool:
+            texts.append(images.in_tool_output(add, "a tool message (Chat Completions)"))
+        else:
+            images.refuse_text_only(at)
+            texts.append(add())
+    return "\n".join(texts)
 
 
 async def create_chat_completion(
@@ -123,7 +146,8 @@ async def create_chat_completion(
     extra_processors: Sequence[LogitsProcessor] = (),
 ) -> ChatCompletion | EventStream:
     completion_id = new_id("chatcmpl")
-    chat = chat_request(body, vocab_size, engine.config.max_batch)
+    parts = ImageParts(loaded.vision, options.images)
+    chat = chat_request(body, vocab_size, engine.config.max_batch, parts)
     turn = await start_chat(
         chat,
         loaded,

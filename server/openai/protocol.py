@@ -232,27 +232,39 @@ Content = str | list[ContentPart]
 
 
 class ImagePart(_Strict):
-    """An image in a tool message's content (an agent's tool opened an image file): the
-    model reads a placeholder in its place (openai/chat.py). A user's own image is
-    refused (ContentPart)."""
+    """An image (`image_url.url`: a data: URL), in a user's or a tool's message: a
+    vision-language model sees it; a text-only model refuses a user's (400) and reads
+    a tool's as a placeholder (server/http/images.py)."""
 
     model_config = ConfigDict(extra="allow")
     type: Literal["image_url"]
     image_url: dict[str, Any]
 
 
-def _tool_part(value: Any) -> Any:
-    kind = value.get("type") if isinstance(value, dict) else None
-    if isinstance(kind, str) and kind not in ("text", "image_url"):
-        raise ValueError(
-            f"content part type {kind[:40]!r} is not supported in a tool message: text, or "
-            "image_url (read by this text-only model as a placeholder)"
-        )
-    return value
+def _text_or_image(where: str, images: str) -> BeforeValidator:
+    """A part's clear refusal of any type but text and image_url (`where`: its message)."""
+
+    def check(value: Any) -> Any:
+        kind = value.get("type") if isinstance(value, dict) else None
+        if isinstance(kind, str) and kind not in ("text", "image_url"):
+            raise ValueError(
+                f"content part type {kind[:40]!r} is not supported{where}: text, or "
+                f"image_url ({images})"
+            )
+        return value
+
+    return BeforeValidator(check)
 
 
 ToolContentPart = Annotated[
-    ContentPart | ImagePart, Field(discriminator="type"), BeforeValidator(_tool_part)
+    ContentPart | ImagePart,
+    Field(discriminator="type"),
+    _text_or_image(" in a tool message", "a text-only model reads it as a placeholder"),
+]
+UserContentPart = Annotated[
+    ContentPart | ImagePart,
+    Field(discriminator="type"),
+    _text_or_image("", "for a vision-language model"),
 ]
 
 
@@ -305,7 +317,7 @@ class DeveloperMessage(_Message):
 
 class UserMessage(_Message):
     role: Literal["user"]
-    content: Content
+    content: str | list[UserContentPart]
 
 
 class AssistantMessage(_Message):

@@ -1,0 +1,291 @@
+"""Images in: a tiny random Gemma 3 vision-language model, served for real.
+
+The model is built here in mlx-vlm's format with a real image processor
+(engine/vision/synthetic.py), served by `flashserve serve`, and asked through
+the official SDKs. With greedy decoding the answer is a function of the
+prompt's embeddings, so what the model saw is judged from outside: two
+images give two answers, one image gives one answer through every dialect
+and every way the language model's layers are held (resident or streamed,
+alone or beside a text request in the batch).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from .conftest import NO_EOS, Server, metric, start_server, stop_server
+
+pytest.importorskip("mlx_vlm", reason="the vision extra: pip install 'flashserve[vision]'")
+np = pytest.importorskip("numpy")
+PIL = pytest.importorskip("PIL.Image")
+
+OUT = 12  # greedy tokens compared
+TOKENS_PER_IMAGE = 4  # the tiny model's (engine/vision/synthetic.py)
+
+
+def png(seed: int, size: tuple[int, int] = (60, 70), kind: str = "PNG") -> bytes:
+    pixels = (np.random.default_rng(seed).random((*size, 3)) * 255).astype("uint8")
+    out = io.BytesIO()
+    PIL.fromarray(pixels).save(out, kind)
+    return out.getvalue()
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def data_url(data: bytes) -> str:
+    return f"data:image/png;base64,{b64(data)}"
+
+
+@pytest.fixture(scope="module")
+def vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from flashserve.engine.vision.synthetic import make_gemma3_vlm
+
+    return make_gemma3_vlm(tmp_path_factory.mktemp("models") / "tiny-gemma3-vlm")
+
+
+@pytest.fixture(scope="module")
+def server(vlm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    workdir = tmp_path_factory.mktemp("vlm-server")
+    running = start_server(
+        vlm_dir,
+        workdir,
+        *("--prompt-cache-bytes", "64000000", "--max-images", "3"),
+        *("--max-image-pixels", "1000000"),
+    )
+    yield running
+    stop_server(running)
+
+
+def chat(
+    server: Server, content: Any, history: tuple[dict[str, Any], ...] = (), **kwargs: Any
+) -> Any:
+    kwargs.setdefault("logit_bias", NO_EOS)
+    return server.client().chat.completions.create(
+        model=server.model_id,
+        messages=[*history, {"role": "user", "content": content}],
+        max_tokens=OUT,
+        temperature=0,
+        **kwargs,
+    )
+
+
+def image_part(data: bytes) -> dict[str, Any]:
+    return {"type": "image_url", "image_url": {"url": data_url(data)}}
+
+
+QUESTION = {"type": "text", "text": "What is in this picture?"}
+
+
+def ask_about(data: bytes) -> list[dict[str, Any]]:
+    return [QUESTION, image_part(data)]
+
+
+def encoded(server: Server) -> float:
+    text = server.http().get("/metrics").text
+    return metric(text, "flashserve_images_encoded_total") or 0.0
+
+
+def test_the_image_reaches_the_model(server: Server) -> None:
+    first, second = chat(server, ask_about(png(1))), chat(server, ask_about(png(2)))
+    text = chat(server, "What is in this picture?")
+    assert first.choices[0].message.content != second.choices[0].message.content
+    assert first.choices[0].message.content != text.choices[0].message.content
+    # The image's tokens are the prompt's: 4 placeholders and their markup.
+    assert first.usage.prompt_tokens > text.usage.prompt_tokens + TOKENS_PER_IMAGE
+
+
+def test_openai_and_anthropic_give_the_same_tokens(server: Server) -> None:
+    image = png(3)
+    seen = chat(server, ask_about(image), logit_bias=None)  # Messages has no logit_bias
+    sdk = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0)
+    block = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": b64(image)}}  # fmt: skip
+    message = sdk.messages.create(
+        model=server.model_id,
+        max_tokens=OUT,
+        messages=[{"role": "user", "content": [QUESTION, block]}],
+        extra_body={"temperature": 0},
+    )
+    assert seen.usage.completion_tokens > 0
+    usage = message.usage
+    assert usage.input_tokens + (usage.cache_read_input_tokens or 0) == seen.usage.prompt_tokens
+    assert message.content[0].text == seen.choices[0].message.content  # type: ignore[union-attr]
+
+
+def test_next_turn_reuses_the_image_without_the_tower(server: Server) -> None:
+    image = png(4)
+    first = chat(server, ask_about(image))
+    before = encoded(server)
+    history = (
+        {"role": "user", "content": ask_about(image)},
+        {"role": "assistant", "content": first.choices[0].message.content},
+    )
+    second = chat(server, "And its colours?", history)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    # The whole first turn (its image inside) came from the prompt cache...
+    assert cached >= first.usage.prompt_tokens
+    # ...and the vision tower did not run for it.
+    assert encoded(server) == before
+    # Another image in the same place: only the text before it is reused.
+    other = chat(server, ask_about(png(5)))
+    other_next = chat(
+        server,
+        "And its colours?",
+        ({"role": "user", "content": ask_about(png(5))},
+         {"role": "assistant", "content": other.choices[0].message.content}),
+    )  # fmt: skip
+    assert other_next.usage.prompt_tokens_details.cached_tokens >= other.usage.prompt_tokens
+    fresh = chat(server, ask_about(png(6)))
+    assert fresh.usage.prompt_tokens_details.cached_tokens < first.usage.prompt_tokens - (
+        TOKENS_PER_IMAGE
+    )
+
+
+def answers(server: Server, image: bytes) -> tuple[str, str, str, str]:
+    """The image's answer alone, the text's alone, then both at once in one batch."""
+    alone = chat(server, ask_about(image)).choices[0].message.content
+    text = chat(server, "Tell me a story.").choices[0].message.content
+    together: dict[str, str] = {}
+
+    def run(name: str, content: Any) -> None:
+        together[name] = chat(server, content).choices[0].message.content
+
+    threads = [
+        threading.Thread(target=run, args=("image", ask_about(image))),
+        threading.Thread(target=run, args=("text", "Tell me a story.")),
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return alone, text, together["image"], together["text"]
+
+
+def test_streamed_layers_give_the_resident_tokens(
+    vlm_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    workdir = tmp_path_factory.mktemp("vlm-streamed")
+    prepared = workdir / "prepared"
+    subprocess.run(
+        [sys.executable, "-m", "flashserve.server.cli", "prepare", str(vlm_dir), str(prepared)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    assert (prepared / "vision.safetensors").is_file()  # the tower travels with the layout
+    image = png(7)
+    results = {}
+    for name, model, flags in (
+        ("resident", vlm_dir, ()),
+        ("streamed", prepared, ("--residency", "fixed", "--resident-layers", "0")),
+    ):
+        (workdir / name).mkdir()
+        running = start_server(model, workdir / name, "--max-batch", "4", *flags)
+        try:
+            if name == "streamed":
+                memory = running.http().get("/memory").json()
+                assert memory["streamed_layers"], memory
+            results[name] = answers(running, image)
+        finally:
+            stop_server(running)
+    alone, text, image_batched, text_batched = results["resident"]
+    assert image_batched == alone and text_batched == text
+    assert results["streamed"] == results["resident"]
+
+
+# -- bad input ------------------------------------------------------------------------
+
+
+def refused_openai(server: Server, content: Any) -> dict[str, Any]:
+    with pytest.raises(openai.BadRequestError) as refused:
+        chat(server, content)
+    body = refused.value.body
+    assert isinstance(body, dict)
+    return body
+
+
+def test_bad_images_are_400s_naming_the_part(server: Server) -> None:
+    text = {"type": "text", "text": "Look:"}
+
+    def url(value: str) -> list[dict[str, Any]]:
+        return [text, {"type": "image_url", "image_url": {"url": value}}]
+
+    unreadable = refused_openai(server, url(data_url(b"not an image at all")))
+    assert unreadable["param"] == "messages.0.content.1.image_url.url"
+    assert "cannot be read" in unreadable["message"]
+    not_base64 = refused_openai(server, url("data:image/png;base64,%%%"))
+    assert "base64" in not_base64["message"]
+    tiff = refused_openai(server, url(data_url(png(8, kind="TIFF"))))
+    assert "TIFF is not supported" in tiff["message"]
+    remote = refused_openai(server, url("https://example.com/cat.png"))
+    assert remote["param"] == "messages.0.content.1.image_url.url"
+    assert "not fetched" in remote["message"]
+    many = refused_openai(server, [text, *[image_part(png(9))] * 4])  # --max-images 3
+    assert many["param"] == "messages.0.content.4.image_url.url"
+    assert many["code"] == "too_many_images"
+    # A large image is downscaled, never refused.
+    ramp = np.linspace(0, 255, 1500 * 1400 * 3).reshape(1500, 1400, 3).astype("uint8")
+    out = io.BytesIO()
+    PIL.fromarray(ramp).save(out, "PNG")  # 2.1 megapixels over --max-image-pixels
+    big = chat(server, ask_about(out.getvalue()))
+    assert big.usage.completion_tokens > 0
+
+
+def test_bad_anthropic_images_are_anthropic_400s(server: Server) -> None:
+    def ask(source: dict[str, Any]) -> httpx.Response:
+        block = {"type": "image", "source": source}
+        return server.http().post(
+            "/v1/messages",
+            json={"model": server.model_id, "max_tokens": 4,
+                  "messages": [{"role": "user", "content": [block]}]},
+        )  # fmt: skip
+
+    garbage = ask({"type": "base64", "media_type": "image/png", "data": b64(b"garbage")})
+    remote = ask({"type": "url", "url": "https://example.com/cat.png"})
+    for response, says in ((garbage, "cannot be read"), (remote, "not fetched")):
+        assert response.status_code == 400, response.text
+        error = response.json()
+        assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
+        assert says in error["error"]["message"]
+    # Inside a tool_result (Claude Code's Read of a PNG) a vision model sees the image.
+    call = {"type": "tool_use", "id": "toolu_1", "name": "Read", "input": {"path": "a.png"}}
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": b64(png(11))}}  # fmt: skip
+    body = {
+        "model": server.model_id,
+        "max_tokens": 4,
+        "messages": [
+            {"role": "user", "content": "Read a.png"},
+            {"role": "assistant", "content": [call]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                          "content": [image]}]},
+        ],
+    }  # fmt: skip
+    before = encoded(server)
+    seen = server.http().post("/v1/messages", json=body)
+    assert seen.status_code == 200, seen.text
+    assert encoded(server) == before + 1
+
+
+def test_a_large_image_is_downscaled_to_the_pixel_limit() -> None:
+    from flashserve.engine.vision.images import decode_image
+
+    image = decode_image(png(12, size=(400, 300)), max_pixels=30_000)
+    assert image.width * image.height <= 30_000
+    assert abs(image.width / image.height - 300 / 400) < 0.02  # aspect kept
+    small = decode_image(png(12, size=(40, 30)), max_pixels=30_000)
+    assert (small.width, small.height) == (30, 40)
