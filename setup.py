@@ -33,6 +33,9 @@ SOURCES = [
     "engine/compute/csrc/step_cache.cpp",
     "engine/compute/csrc/prompt_softmax.cpp",
     "engine/compute/csrc/prompt_dequant.cpp",
+    "engine/compute/csrc/prompt_qgemm.cpp",
+    "engine/compute/csrc/prompt_qgemm_avx512.cpp",
+    "engine/compute/csrc/prompt_qgemm_avx2.cpp",
     "engine/compute/csrc/expert_ops.cpp",
 ]
 

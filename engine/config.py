@@ -45,6 +45,10 @@ class EngineConfig:
     # where they run, engine/compute/qmm.py, step_ops.py) | fast (required) |
     # mlx (MLX's kernel and ops).
     quantized_matmul: str = "auto"
+    # CPU prompt chunks through 4- and 8-bit linears: int16 | int8 (rows rounded
+    # to that many bits per block of 32, integer dot products:
+    # compute/prompt_matmul.py) | float (dequantize + BLAS, or the few-row kernel).
+    prompt_matmul: str = "int16"
     # Resident models on the CPU: each decode step as one compiled MLX function
     # (generation/decode_step.py); the same tokens either way.
     compile_decode: bool = True

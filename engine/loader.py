@@ -61,7 +61,7 @@ def load(config: EngineConfig) -> LoadedModel:
         kv_cache.install(loaded.model, config.kv_bits, config.kv_group_size)
     except ValueError as exc:
         raise ModelLoadError(str(exc)) from None
-    changed = use_blas_for_prompts(loaded.model)
+    changed = use_blas_for_prompts(loaded.model, config.prompt_matmul)
     if changed:
         log.debug("%d quantized linears run prompts as dequantize + BLAS matmul", changed)
     # After use_blas_for_prompts: the fast classes wrap the prompt class, so

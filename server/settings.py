@@ -166,6 +166,12 @@ class Settings(BaseSettings):
         "step ops (norms, RoPE, attention, SwiGLU, log-sum-exp); "
         "auto = flashserve's where they run, else MLX's",
     )
+    prompt_matmul: Literal["int16", "int8", "float"] = Field(
+        "int16",
+        description="CPU: prompt chunks through 4- and 8-bit linears; int16 / int8 = rows "
+        "rounded to that many bits per block of 32, integer dot products on every core "
+        "(accuracy against float: docs/benchmarks/agent-turns.md); float = dequantize + BLAS",
+    )
     compile_decode: bool = Field(
         True,
         description="CPU, every weight resident: run each decode step as one compiled "

@@ -138,9 +138,10 @@ def test_large_weights_take_the_kernel_as_decode_does(monkeypatch, bits):
         qmm.set_avx512(True)
 
 
-def test_loaded_quantized_model_uses_it_and_keeps_its_output(tmp_path):
+@pytest.mark.parametrize("choice", ["float", "int16"])
+def test_loaded_quantized_model_uses_it_and_keeps_its_output(tmp_path, choice):
     path = make_model_dir(tmp_path / "q4", "llama", quantize_bits=4)  # an untied LM head
-    loaded = load(EngineConfig(model=str(path)))
+    loaded = load(EngineConfig(model=str(path), prompt_matmul=choice))
     named = dict(loaded.model.named_modules())
     # The head's prompt logits are thrown away, so it keeps the lazy kernel path
     # (flashserve's few-row kernel on the CPU, compute/qmm.py; not the BLAS).
@@ -235,6 +236,12 @@ from flashserve.engine.loader import load
 
 if sys.argv[2] == "kernel":  # every linear's prompt rows on flashserve's kernel
     prompt_matmul.KERNEL_MIN_FLOAT_BYTES = 0
+integer = []  # calls of the integer GEMM (prompt_matmul "int16")
+real_int = prompt_matmul._integer_output
+def spy_int(*args):
+    integer.append(1)
+    return real_int(*args)
+prompt_matmul._integer_output = spy_int
 fast = qmm.select("auto") == "fast"
 kernel = sys.argv[2] == "kernel" and fast and qmm.extension().avx512_active()
 counts = []
@@ -250,7 +257,8 @@ def dq(*args):
     return real_dq(*args)
 prompt_matmul._dequantize = dq
 
-model = load(EngineConfig(model=sys.argv[1])).model
+choice = "int16" if sys.argv[2] == "integer" else "float"
+model = load(EngineConfig(model=sys.argv[1], prompt_matmul=choice)).model
 prompt = mx.array([[(37 * i) % 200 + 3 for i in range(240)]])
 
 def run(chunks):
@@ -272,18 +280,21 @@ for on in (False, True):
     }
     out["inside" + str(on)] = sorted(set(inside))
 print(json.dumps({"out": out, "counts": counts, "threaded": blas.threaded(), "kernel": kernel,
+                  "integer": len(integer), "integer_runs": prompt_matmul.integer_available(),
                   "usable": prompt_matmul.prompt_threads(), "after": blas.mkl_threads()}))
 """
 
 
-@pytest.mark.parametrize("linears", ["blas", "kernel"])
+@pytest.mark.parametrize("linears", ["blas", "kernel", "integer"])
 def test_every_core_prefill_gives_the_one_thread_numbers(tmp_path, linears):
     """Prompt chunks on every core (threaded MKL, flashserve's dequantize) give the logits
     of one thread with MLX's dequantize bit for bit, whatever the chunking (cold, after a
     cached prefix of 3 to 229 tokens); MKL gets every usable core inside a chunk of >= 16
     rows and one after it. Also where every linear's prompt rows take flashserve's kernel
     (weights of KERNEL_MIN_FLOAT_BYTES and more): attention's matmuls, computed with
-    o_proj's input, still get every core."""
+    o_proj's input, still get every core. And on the integer GEMM (prompt_matmul
+    "int16", the default): no weight dequantized, the same next token whatever the
+    chunking."""
     path = make_model_dir(tmp_path / "q4", "llama", quantize_bits=4)
     result = subprocess.run(
         [sys.executable, "-c", PARALLEL_PROBE, str(path), linears],
@@ -309,7 +320,10 @@ def test_every_core_prefill_gives_the_one_thread_numbers(tmp_path, linears):
         assert {n for n, _ in counts} == {got["usable"], 1}
         assert (got["usable"], 1) in counts and (1, got["usable"]) in counts
         assert got["after"] == 1
-        if got["kernel"]:  # nothing dequantized: the kernel took every linear
+        if linears == "integer" and got["integer_runs"]:
+            assert got["integer"] > 0
+            assert got["out"]["insideTrue"] == got["out"]["insideFalse"] == []
+        elif got["kernel"]:  # nothing dequantized: the kernel took every linear
             assert got["out"]["insideTrue"] == got["out"]["insideFalse"] == []
         else:
             assert got["out"]["insideFalse"] == [1]  # one thread before issue 42's change

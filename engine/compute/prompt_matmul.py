@@ -30,6 +30,19 @@ the weights only, so it is the same for every prompt and chunking.
 Elsewhere a layer-major prefill (generation/prefill.py) runs a layer's
 chunks inside `keep_dequantized`, which makes each float copy once per
 layer instead of once per chunk.
+
+Before both, the `prompt_matmul` setting (issue 57): with "int16" (the
+default) or "int8", 4- and 8-bit weights (groups of 32, 64, 128) of any size
+take csrc/prompt_qgemm.cpp, a GEMM on the quantized data as llama.cpp's:
+each prompt row rounded to integers of that many bits in blocks of 32 and
+multiplied by the packed weights with integer dot products (AVX-512 VNNI,
+AVX-VNNI or AVX2, picked at run time), on every core, no float copy. It
+changes the numbers by the rows' rounding: 8 bits moved the default model's
+top-5 next-token probabilities by up to 0.2, 16 bits by under 0.001, at
+half the integer rate, still far ahead of the float paths
+(docs/benchmarks/agent-turns.md). A row's numbers depend on that row alone, so
+chunking, caching and batching give the same tokens. "float" keeps the
+paths above.
 """
 
 from __future__ import annotations
@@ -137,6 +150,88 @@ KERNEL_MIN_FLOAT_BYTES = 32 << 20
 KERNEL_BITS = (4, 8)  # the widths of the kernel's AVX-512 path
 
 
+# The `prompt_matmul` setting: the bits prompt rows are rounded to (0: float).
+PROMPT_MATMUL_CHOICES = {"int16": 16, "int8": 8, "float": 0}
+INTEGER_BITS = (4, 8)  # the widths of csrc/prompt_qgemm.cpp
+INTEGER_GROUP_SIZES = (32, 64, 128)
+_INTEGER_SCALE_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+
+
+def _integer_eligible(module: nn.QuantizedLinear) -> bool:
+    """Static checks: a width, group size, mode and scales the integer GEMM takes."""
+    scales = module.get("scales")
+    return (
+        module.bits in INTEGER_BITS
+        and module.group_size in INTEGER_GROUP_SIZES
+        and getattr(module, "mode", "affine") == "affine"
+        and module.get("biases") is not None
+        and scales is not None
+        and scales.dtype in _INTEGER_SCALE_DTYPES
+    )
+
+
+def integer_available() -> bool:
+    """Whether the integer prompt GEMM can run here (the extension has it; AVX2 at least)."""
+    ext = qmm.extension()
+    return ext is not None and hasattr(ext, "prompt_qgemm") and ext.prompt_qgemm_isa() != "none"
+
+
+def on_integer(module: nn.QuantizedLinear, x: mx.array) -> bool:
+    """Whether `module`'s prompt rows run on the integer GEMM: its `prompt_matmul` is
+    "int16" or "int8", flashserve's CPU path is on, and the weights are ones it takes. Decided by
+    the weights and settings alone, so every chunking of a prompt goes the same way."""
+    return (
+        getattr(module, "_prompt_xbits", 0) > 0
+        and x.dtype == mx.float32
+        and qmm.active()
+        and isinstance(module, qmm.FastQuantizedLinear)
+        and integer_available()
+        and _integer_eligible(module)
+    )
+
+
+class _IntegerKept:
+    """Sibling outputs (q/k/v, gate/up) computed with the first one's call, by input."""
+
+    def __init__(self) -> None:
+        self.x: mx.array | None = None
+        self.outputs: dict[int, mx.array] = {}
+
+
+def _integer_output(module: nn.QuantizedLinear, x: mx.array) -> mx.array:
+    """x @ dequantize(weight).T on the integer GEMM; linears that share x (compute/qmm.py:
+    _Siblings) in one call, x quantized once, each output the same as its own call's."""
+    siblings = getattr(module, "_qmm_siblings", None) if qmm.fusion() else None
+    members = [module]
+    if siblings is not None and all(
+        _integer_eligible(m)
+        and (m.bits, m.group_size, getattr(m, "_prompt_xbits", 0))
+        == (module.bits, module.group_size, module._prompt_xbits)
+        for m in siblings.members
+    ):
+        members = siblings.members
+        kept = siblings.__dict__.setdefault("_integer_kept", _IntegerKept())
+        if kept.x is x and id(module) in kept.outputs:
+            y = kept.outputs.pop(id(module))
+            if not kept.outputs:
+                kept.x = None  # all handed out: let x go
+            return y
+    ys = qmm.extension().prompt_qgemm(
+        x,
+        [m["weight"] for m in members],  # read each call: the layer streamer swaps arrays
+        [m["scales"] for m in members],
+        [m["biases"] for m in members],
+        module.group_size,
+        module.bits,
+        module._prompt_xbits,
+    )
+    if len(members) > 1:
+        kept.x = x
+        kept.outputs = {id(m): y for m, y in zip(members, ys, strict=True) if m is not module}
+    # By identity: modules are dicts, so list.index would compare their arrays.
+    return ys[next(i for i, m in enumerate(members) if m is module)]
+
+
 def on_kernel(module: nn.QuantizedLinear, x: mx.array) -> bool:
     """Whether `module`'s prompt rows run on flashserve's kernel (see KERNEL_MIN_FLOAT_BYTES).
 
@@ -162,12 +257,16 @@ def _float_bytes(module: nn.QuantizedLinear, dtype: mx.Dtype) -> int:
     return rows * groups * module.group_size * dtype.size
 
 
-def float_copies(layer: nn.Module, dtype: mx.Dtype, kernel: bool) -> tuple[int, int]:
+def float_copies(
+    layer: nn.Module, dtype: mx.Dtype, kernel: bool, integer: bool = False
+) -> tuple[int, int]:
     """(bytes of float weights a layer's prompt chunks hold under `keep_dequantized`,
     the most made at once without it), from its quantized linears' shapes (their
     arrays need not be loaded); `kernel`: flashserve's AVX-512 kernel will run,
-    so weights of KERNEL_MIN_FLOAT_BYTES and up make no copy. The memory plan
-    (streaming/denseplan.py) sets this much aside for a prefill. 0 off the CPU."""
+    so weights of KERNEL_MIN_FLOAT_BYTES and up make no copy; `integer`: the
+    integer GEMM will run (prompt_matmul "int16" or "int8"), so the weights it takes make
+    none. The memory plan (streaming/denseplan.py) sets this much aside for a
+    prefill. 0 off the CPU."""
     if mx.default_device() != mx.cpu:
         return 0, 0
     sizes = []
@@ -175,6 +274,8 @@ def float_copies(layer: nn.Module, dtype: mx.Dtype, kernel: bool) -> tuple[int, 
         if not isinstance(module, nn.QuantizedLinear) or name.split(".")[-1] == "lm_head":
             continue
         size = _float_bytes(module, dtype)
+        if integer and _integer_eligible(module):
+            continue
         if kernel and module.bits in KERNEL_BITS and size >= KERNEL_MIN_FLOAT_BYTES:
             continue
         sizes.append(size)
@@ -188,6 +289,11 @@ class PromptQuantizedLinear(nn.QuantizedLinear):
         if x.ndim < 3 or x.shape[-2] <= _decode_rows[-1]:
             return super().__call__(x)
         threads = prompt_threads() if x.shape[-2] >= MIN_THREADED_ROWS else 1
+        if on_integer(self, x):
+            y = _integer_output(self, x)
+            with blas.prompt_threads(threads):  # computed now: as on_kernel's, below
+                mx.eval(y)
+            return y + self["bias"] if "bias" in self else y
         if on_kernel(self, x):
             y = super().__call__(x)
             # Computed now, as the BLAS path computes each slice: a chunk's work
@@ -272,12 +378,13 @@ def _dequantize(
     )
 
 
-def use_blas_for_prompts(model: nn.Module) -> int:
+def use_blas_for_prompts(model: nn.Module, choice: str = "int16") -> int:
     """Switch the model's quantized linears to PromptQuantizedLinear on the CPU.
 
     The modules change class in place: their arrays, freeze state, and the
     references the layer streamer holds stay as they are. Returns how many
-    modules changed (0 on a GPU).
+    modules changed (0 on a GPU). `choice`: the `prompt_matmul` setting, kept
+    per module (set_prompt_matmul changes it), so each model has its own.
 
     The LM head keeps MLX's kernel: prefill discards the logits of a prompt
     chunk, so MLX never computes them, but the slice-by-slice evaluation
@@ -290,4 +397,18 @@ def use_blas_for_prompts(model: nn.Module) -> int:
         if type(module) is nn.QuantizedLinear and name.split(".")[-1] != "lm_head":
             module.__class__ = PromptQuantizedLinear
             changed += 1
+    set_prompt_matmul(model, choice)
     return changed
+
+
+def set_prompt_matmul(model: nn.Module, choice: str) -> None:
+    """The `prompt_matmul` setting for a model's prompt linears: "int16" or "int8" (the
+    integer GEMM where it runs, rows rounded to that many bits) or "float" (dequantize
+    + BLAS, or the few-row kernel)."""
+    if choice not in PROMPT_MATMUL_CHOICES:
+        raise ValueError(
+            f"prompt_matmul must be one of {list(PROMPT_MATMUL_CHOICES)}, not {choice!r}"
+        )
+    for _, module in model.named_modules():
+        if isinstance(module, PromptQuantizedLinear):
+            module._prompt_xbits = PROMPT_MATMUL_CHOICES[choice]

@@ -193,7 +193,14 @@ def _float_copies(config: EngineConfig, layers: list[nn.Module]) -> tuple[int, i
     """The most float weight any layer's prompt chunks hold (compute/prompt_matmul.py
     float_copies), read from the built layers' shapes (nothing is evaluated)."""
     kernel = config.quantized_matmul != "mlx" and _avx512_kernel()
-    copies = [prompt_matmul.float_copies(layer, compute_dtype(), kernel) for layer in layers]
+    integer = (
+        config.quantized_matmul != "mlx"
+        and config.prompt_matmul != "float"
+        and prompt_matmul.integer_available()
+    )
+    copies = [
+        prompt_matmul.float_copies(layer, compute_dtype(), kernel, integer) for layer in layers
+    ]
     return max((c[0] for c in copies), default=0), max((c[1] for c in copies), default=0)
 
 

@@ -34,6 +34,7 @@
 #include "mlx/utils.h"
 #include "mlx/version.h"
 #include "graph_folds.h"
+#include "prompt_qgemm.h"
 #include "qmm_arrays.h"
 #include "qmm_kernels.h"
 #include "step_ops.h"
@@ -481,5 +482,6 @@ NB_MODULE(_qmm, m) {
   m.def("runtime_mlx_version", [] { return std::string(mx::version()); },
         "the version of the libmlx this module is linked to at run time");
   add_step_ops(m);
+  add_prompt_qgemm(m);
   add_sdpa_quant(m);
 }
