@@ -51,6 +51,7 @@ BEYOND_SCHEMA: list[tuple[str, str]] = [
     (r"suffix", r"suffix cannot be used with echo"),
     # A user's image against the model served: a text-only model refuses it.
     (r"messages\.\d+\.content\.\d+(\.source)?", r"this model accepts text only"),
+    (r"input\[\d+\]\.content\[\d+\]\.type", r"this model accepts text only"),
 ]
 
 

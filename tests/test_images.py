@@ -108,7 +108,7 @@ def test_the_image_reaches_the_model(server: Server) -> None:
     assert first.usage.prompt_tokens > text.usage.prompt_tokens + TOKENS_PER_IMAGE
 
 
-def test_openai_and_anthropic_give_the_same_tokens(server: Server) -> None:
+def test_the_three_apis_give_the_same_tokens(server: Server) -> None:
     image = png(3)
     seen = chat(server, ask_about(image), logit_bias=None)  # Messages has no logit_bias
     sdk = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0)
@@ -124,6 +124,18 @@ def test_openai_and_anthropic_give_the_same_tokens(server: Server) -> None:
     usage = message.usage
     assert usage.input_tokens + (usage.cache_read_input_tokens or 0) == seen.usage.prompt_tokens
     assert message.content[0].text == seen.choices[0].message.content  # type: ignore[union-attr]
+    # Responses (Codex's --image): input_text and input_image parts.
+    parts = [{"type": "input_text", "text": QUESTION["text"]},
+             {"type": "input_image", "image_url": data_url(image)}]  # fmt: skip
+    response = server.client().responses.create(
+        model=server.model_id,
+        input=[{"role": "user", "content": parts}],  # type: ignore[list-item]
+        max_output_tokens=OUT,
+        temperature=0,
+    )
+    assert response.usage is not None
+    assert response.usage.input_tokens == seen.usage.prompt_tokens
+    assert response.output_text == seen.choices[0].message.content
 
 
 def test_next_turn_reuses_the_image_without_the_tower(server: Server) -> None:
@@ -237,6 +249,15 @@ def test_bad_images_are_400s_naming_the_part(server: Server) -> None:
     many = refused_openai(server, [text, *[image_part(png(9))] * 4])  # --max-images 3
     assert many["param"] == "messages.0.content.4.image_url.url"
     assert many["code"] == "too_many_images"
+    # Responses: the same refusals, named its way.
+    parts = [{"type": "input_image", "image_url": "https://example.com/cat.png"}]
+    with pytest.raises(openai.BadRequestError) as responses:
+        server.client().responses.create(
+            model=server.model_id,
+            input=[{"role": "user", "content": parts}],  # type: ignore[list-item]
+        )
+    body = responses.value.body
+    assert isinstance(body, dict) and body["param"] == "input[0].content[0].image_url"
     # A large image is downscaled, never refused.
     ramp = np.linspace(0, 255, 1500 * 1400 * 3).reshape(1500, 1400, 3).astype("uint8")
     out = io.BytesIO()

@@ -36,6 +36,7 @@ from flashserve.server.chat.pipeline import ChatTurn, start_chat
 from flashserve.server.chat.prompts import encode
 from flashserve.server.generation import cancel_on_disconnect, now, with_keepalive
 from flashserve.server.http.errors import SERVER_ERROR, APIError
+from flashserve.server.http.images import ImageParts
 from flashserve.server.http.sse import EventStream
 from flashserve.server.openai.common import DEFAULT_TEMPERATURE
 from flashserve.server.openai.response_store import ResponseStore
@@ -113,7 +114,7 @@ async def create_response(
         if stored is None:
             raise not_found(body.previous_response_id, "previous_response_id")
         prior = stored.conversation
-    resolved = chat_request(body, prior, vocab_size)
+    resolved = chat_request(body, prior, vocab_size, ImageParts(loaded.vision, options.images))
     base = _base_response(body, loaded.model_id, store.enabled)
     try:
         turn = await start_chat(

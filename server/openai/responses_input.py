@@ -4,9 +4,10 @@ Input items become messages in the chat-template shape: user / system /
 developer messages as they are (developer is system), and each assistant turn
 gathered from the items that make it (reasoning -> `reasoning_content`,
 assistant message text -> `content`, function_call -> `tool_calls`), closed by
-the next user message or function_call_output (-> a `tool` message; an
-`input_image` in its output, which Codex's view_image tool sends, is read by
-this text-only model as a placeholder, while a user's own image is a 400).
+the next user message or function_call_output (-> a `tool` message). An
+`input_image` (a data: URL; Codex's --image, and its view_image tool's output)
+reaches a vision-language model; a text-only model reads one in a
+function_call_output as a placeholder and refuses a user's own (400).
 `instructions` and the system messages the input opens with become one system
 message (many chat templates accept a system message only first). Items are
 validated one by one, so an error names the item as OpenAI does
@@ -18,13 +19,14 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
 from flashserve.server.chat.conversation import ChatRequest
 from flashserve.server.http.errors import MAX_JSON_DEPTH, invalid_request, nested_deeper_than
-from flashserve.server.http.ignored import omitted_media
+from flashserve.server.http.images import ImageParts
 from flashserve.server.openai.common import sampling_params
 from flashserve.server.openai.protocol import FunctionDefinition, SamplingFields
 from flashserve.server.openai.responses_protocol import (
@@ -61,12 +63,16 @@ class ResponsesInput:
 
 
 def chat_request(
-    body: ResponseCreateRequest, prior_items: list[dict[str, Any]], vocab_size: int
+    body: ResponseCreateRequest,
+    prior_items: list[dict[str, Any]],
+    vocab_size: int,
+    images: ImageParts | None = None,
 ) -> ResponsesInput:
     """The pipeline's request for a Responses body continuing `prior_items` (400 on bad input)."""
+    images = images or ImageParts(None)
     new = parse_input(body.input, required=body.previous_response_id is None)
     prior = [parse_item(raw, "previous_response_id") for raw in prior_items]
-    messages = to_messages([(item, "previous_response_id") for item in prior] + new)
+    messages = to_messages([(item, "previous_response_id") for item in prior] + new, images)
     messages = with_instructions(body.instructions, messages)
     if not messages:
         raise invalid_request("input must not be empty.", "input")
@@ -94,6 +100,7 @@ def chat_request(
         messages_param="input",
         max_tokens_param="max_output_tokens",
         speculative=body.speculative is not False,
+        images=images.images,
     )
     items = prior_items + [item.model_dump(exclude_none=True) for item, _ in new]
     return ResponsesInput(request, items)
@@ -150,7 +157,9 @@ def _path(loc: Any) -> str:
     return out
 
 
-def _text(content: str | list[ContentPartIn], param: str, tool_output: bool = False) -> str:
+def _text(
+    content: str | list[ContentPartIn], param: str, images: ImageParts, tool_output: bool = False
+) -> str:
     if isinstance(content, str):
         return content
     texts = []
@@ -159,8 +168,14 @@ def _text(content: str | list[ContentPartIn], param: str, tool_output: bool = Fa
             texts.append(part.text)
         elif part.type == "refusal" and part.refusal is not None:
             texts.append(part.refusal)
-        elif tool_output and part.type == "input_image":
-            texts.append(omitted_media("a function_call_output (Responses)"))
+        elif part.type == "input_image":
+            url, at = (part.model_extra or {}).get("image_url"), f"{param}[{j}]"
+            add = partial(images.data_url, url, f"{at}.image_url")
+            if tool_output:
+                texts.append(images.in_tool_output(add, "a function_call_output (Responses)"))
+            else:
+                images.refuse_text_only(f"{at}.type")
+                texts.append(add())
         else:
             shown = repr(part.type)[:60]
             raise invalid_request(
@@ -187,7 +202,7 @@ def _arguments(item: FunctionCallItem, param: str) -> None:
         )
 
 
-def to_messages(entries: list[tuple[Any, str]]) -> list[dict[str, Any]]:
+def to_messages(entries: list[tuple[Any, str]], images: ImageParts) -> list[dict[str, Any]]:
     """Items -> chat-template messages, each assistant turn gathered from its items."""
     messages: list[dict[str, Any]] = []
     turn: dict[str, Any] | None = None  # the assistant turn being gathered
@@ -208,7 +223,7 @@ def to_messages(entries: list[tuple[Any, str]]) -> list[dict[str, Any]]:
                     f"{param}.call_id",
                     "invalid_value",
                 )
-            output = _text(item.output, f"{param}.output", tool_output=True)
+            output = _text(item.output, f"{param}.output", images, tool_output=True)
             messages.append(
                 {
                     "role": "tool",
@@ -221,7 +236,8 @@ def to_messages(entries: list[tuple[Any, str]]) -> list[dict[str, Any]]:
         if isinstance(item, MessageItem) and item.role != "assistant":
             close()
             role = "user" if item.role == "user" else "system"
-            messages.append({"role": role, "content": _text(item.content, f"{param}.content")})
+            content = _text(item.content, f"{param}.content", images)
+            messages.append({"role": role, "content": content})
             continue
         # An assistant turn: reasoning, then text, then calls; anything out of that
         # order starts the next turn.
@@ -240,7 +256,7 @@ def to_messages(entries: list[tuple[Any, str]]) -> list[dict[str, Any]]:
                 previous = turn.get("reasoning_content")
                 turn["reasoning_content"] = f"{previous}\n{text}" if previous else text
         elif isinstance(item, MessageItem):
-            turn["content"] = _text(item.content, f"{param}.content")
+            turn["content"] = _text(item.content, f"{param}.content", images)
         else:
             _arguments(item, param)
             calls[item.call_id] = item.name

@@ -65,9 +65,19 @@ _TEXT_PARTS = [
         "required": ["type", "refusal"],
     },
 ]
+# A user's image (a data: URL) for a vision-language model; a text-only model refuses it.
+_USER_IMAGE_PART = {
+    "type": "object",
+    "properties": {"type": {"const": "input_image"}, "image_url": {"type": "string"}},
+    "required": ["type", "image_url"],
+}
 _CONTENT_SCHEMA = {
-    "anyOf": [{"type": "string"}, {"type": "array", "items": {"anyOf": _TEXT_PARTS}}],
-    "description": "text, or text parts (input_text, output_text, refusal): text only",
+    "anyOf": [
+        {"type": "string"},
+        {"type": "array", "items": {"anyOf": [*_TEXT_PARTS, _USER_IMAGE_PART]}},
+    ],
+    "description": "text, or text parts (input_text, output_text, refusal) and input_image "
+    "parts (image_url: a data: URL, for a vision-language model)",
 }
 # A function_call_output may also hold images (Codex's view_image tool): the model
 # reads a placeholder in their place.
@@ -81,8 +91,8 @@ _OUTPUT_SCHEMA = {
         {"type": "string"},
         {"type": "array", "items": {"anyOf": [*_TEXT_PARTS, _IMAGE_PART]}},
     ],
-    "description": "text, or text parts and input_image parts (this text-only model reads "
-    "a placeholder in an image's place)",
+    "description": "text, or text parts and input_image parts (a vision-language model "
+    "sees the image; a text-only model reads a placeholder in its place)",
 }
 _ITEM_FIELDS = {"id": _OPTIONAL_TEXT, "status": _OPTIONAL_TEXT}
 _CALL_ID = {"type": "string", "minLength": 1}
