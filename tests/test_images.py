@@ -11,11 +11,13 @@ alone or beside a text request in the batch).
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -310,3 +312,65 @@ def test_a_large_image_is_downscaled_to_the_pixel_limit() -> None:
     assert abs(image.width / image.height - 300 / 400) < 0.02  # aspect kept
     small = decode_image(png(12, size=(40, 30)), max_pixels=30_000)
     assert (small.width, small.height) == (30, 40)
+
+
+def test_images_encode_on_their_own_thread_while_the_batch_decodes(vlm_dir: Path) -> None:
+    """The tower made slow (a second an image): a text answer in the batch keeps
+    producing tokens meanwhile, and the encode runs on the vision thread."""
+    from flashserve.engine.config import EngineConfig
+    from flashserve.engine.generation.requests import GenerationRequest, SamplingParams
+    from flashserve.engine.generation.worker import Engine
+    from flashserve.engine.vision.images import decode_image
+    from flashserve.engine.vision.prompt import SENTINEL
+
+    engine = Engine(EngineConfig(model=str(vlm_dir), max_batch=4))
+    engine.start()
+    assert engine.wait_ready(120), engine.load_error
+    try:
+        loaded = engine.loaded
+        assert loaded is not None
+        vision, tokenizer = loaded.vision, loaded.tokenizer
+        encode = vision.features
+        threads: list[str] = []
+        windows: list[tuple[float, float]] = []
+
+        def slow(image: Any) -> Any:
+            started = time.perf_counter()
+            threads.append(threading.current_thread().name)
+            time.sleep(1.0)
+            rows = encode(image)
+            windows.append((started, time.perf_counter()))
+            return rows
+
+        vision.features = slow
+        image = decode_image(png(13), 1 << 20)
+        images = vision.prompt([image])
+        chat = [{"role": "user", "content": f"Look: {SENTINEL}"}]
+        text = images.expand(tokenizer.apply_chat_template(chat, tokenize=False))
+        marked = images.mark(tokenizer.encode(text, add_special_tokens=False))
+        greedy = SamplingParams(temperature=0, logit_bias={int(k): v for k, v in NO_EOS.items()})
+        story = tokenizer.apply_chat_template([{"role": "user", "content": "A story."}])
+        times: list[float] = []
+
+        async def go() -> list[Any]:
+            talking = engine.submit(GenerationRequest(story, 400, greedy))
+
+            async def listen() -> None:  # each text token's arrival
+                async for _ in talking:
+                    times.append(time.perf_counter())
+
+            listening = asyncio.create_task(listen())
+            while len(times) < 3:  # the text answer decodes before the image arrives
+                await asyncio.sleep(0.01)
+            looking = engine.submit(GenerationRequest(marked, 4, greedy, images=[image]))
+            seen: list[Any] = [event async for event in looking]
+            await listening
+            return seen
+
+        seen = asyncio.run(go())
+    finally:
+        engine.shutdown()
+    assert threads == ["flashserve-vision_0"]
+    assert len([e for e in seen if getattr(e, "token", None) is not None]) == 4
+    ((started, ended),) = windows
+    assert sum(started < t < ended for t in times) >= 5  # tokens while the tower ran

@@ -36,6 +36,7 @@ class Start:
     scores: PromptScores | None = None  # the prompt's logprobs, when asked for
     started: float = field(default_factory=time.perf_counter)  # prompt looked up
     prefilled_at: float | None = None  # prefilled outside the batch: when
+    encoded: Any = None  # its images' features, encoded ahead (vision/embed.py ImageEncodes)
 
     def __post_init__(self) -> None:
         self.cached = self.reused  # tokens the prompt cache gave: reported as cached_tokens

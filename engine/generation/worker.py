@@ -1,8 +1,9 @@
-"""The generation worker: one thread owns every MLX call.
+"""The generation worker: one thread owns every MLX call but a vision tower's.
 
 Requests arrive on a queue from the event loop; each request's events go back
 through its RequestHandle (loop.call_soon_threadsafe). A failing generation is
-reported to its own client only; the worker keeps serving.
+reported to its own client only; the worker keeps serving. A request's images
+are encoded on a thread of their own while the batch decodes (vision/embed.py).
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ from flashserve.engine.generation.stats import (
 from flashserve.engine.generation.stops import StopMatcher
 from flashserve.engine.prompt_cache.cache import PromptCache, prompt_cache_for
 from flashserve.engine.speculative.batch import Speculation, SpeculativeConfig
-from flashserve.engine.vision.embed import image_embedder, real_tokens
+from flashserve.engine.vision.embed import ImageEncodes, image_embedder, real_tokens
 from flashserve.engine.weights.model import LoadedModel
 from flashserve.engine.weights.reader import WeightFileError
 
@@ -97,6 +98,7 @@ class Engine:
         self._held: RequestHandle | None = None  # next in line, waiting for KV room
         self.mirror: Mirror | None = None  # the model is split across ranks: rank 0's side
         self.stats = WorkerStats()
+        self.encodes = ImageEncodes(lambda: self.loaded)  # images, on the vision thread
         self.speculation = Speculation(
             SpeculativeConfig(
                 config.speculative, config.speculative_max_draft, config.speculative_draft_model
@@ -230,7 +232,7 @@ class Engine:
             # Cancelled requests leave first: a retry admitted next then finds
             # what they prefilled (_drop_cancelled stores it).
             self._drop_cancelled(batch, active)
-            if not self._admit(batch, active, block=not active):
+            if not self._admit(batch, active, block=not active and not self.encodes.waiting):
                 break
             try:
                 self._step(batch, active)
@@ -316,7 +318,7 @@ class Engine:
             handles.append(handle)
         if handles and self.guard is not None:  # before any restored state takes room
             self.guard.before_prefill(handles, self.stats, active)
-        starts = [s for s in (self._prepare(h) for h in handles) if s is not None]
+        starts = self.encodes.ready([s for s in map(self._prepare, handles) if s], not active)
         self._prefill_layer_major(starts)
         for start in starts:
             if start.failed:
@@ -372,11 +374,9 @@ class Engine:
         return make_request_processors(request.sampling, extra)
 
     def _prefill_layer_major(self, starts: list[Start]) -> None:
-        """Prefill the prompts together, layer-major, when weights come from disk.
-
-        One pass over the weights gives each prompt its cache and its first
-        token (generation/prefill.py says why and how); the batch then
-        decodes from the second token on.
+        """Prefill the prompts together, layer-major, when weights come from disk: one
+        pass over the weights gives each prompt its cache and its first token
+        (generation/prefill.py says why and how); the batch decodes from the second on.
         """
         # A request that wants its prompt's logprobs is prefilled alone, which keeps them.
         starts = [s for s in starts if s.handle.request.prompt_logprobs is None and not s.images]
@@ -482,7 +482,7 @@ class Engine:
                 self.config.prefill_step_size,
                 start.scores,
                 start.handle.was_cancelled,
-                image_embedder(self.loaded.model, self.loaded.vision, start.prompt, start.images),
+                image_embedder(self.loaded, start.prompt, start.images, start.encoded),
             )
         except PrefillCancelled:
             self._cancel_waiting(start.handle)

@@ -1,16 +1,20 @@
-"""A prompt chunk's input embeddings with the images' features merged in.
+"""A prompt chunk's input embeddings with the images' features merged in, and the
+vision tower's thread that encodes them while the batch decodes.
 
 The worker prefills a prompt that holds images outside the batch, chunk by
 chunk (generation/shared_prefill.py), passing each chunk's embeddings to the
 mlx-lm model as `input_embeddings`: the token embeddings of the language
 model that runs (resident or streamed), with each image's placeholder rows
-replaced by its features. Each image is encoded once, when the first chunk
-that holds it runs: one the prompt cache already covers never is.
+replaced by its features. Each image is encoded once, on the vision thread
+before its prompt's prefill (ImageEncodes): one the prompt cache already
+covers never is.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from typing import Any
 
 import mlx.core as mx
@@ -23,13 +27,15 @@ Embed = Callable[[int, Sequence[int]], mx.array]
 
 
 def image_embedder(
-    model: Any, vision: VisionModel | None, prompt: Sequence[int], images: Sequence[Image]
+    loaded: Any, prompt: Sequence[int], images: Sequence[Image], encoded: Future | None = None
 ) -> Embed | None:
     """embed(start, chunk): prompt[start:start+len(chunk)]'s (1, L, hidden) embeddings;
-    None for a prompt without images."""
+    None for a prompt without images. `encoded`: the images ImageEncodes encoded ahead
+    (their features by digest); any other image is encoded here when a chunk needs it."""
+    vision: VisionModel | None = loaded.vision
     if not images or vision is None:
         return None
-    embed_tokens = _token_embedding(model)
+    embed_tokens = _token_embedding(loaded.model)
     token_id = vision.tokens.token_id
     by_id = {virtual_id(image, token_id): image for image in images}
     # Each position's (image, row): a run starts at a virtual id; placeholders follow.
@@ -45,7 +51,8 @@ def image_embedder(
             current = None
             continue
         slots[position] = (current, row)
-    encoded: dict[str, mx.array] = {}  # an image's features, for every chunk it spans
+    # An image's features, for every chunk it spans (the encode's error raised here).
+    features: dict[str, mx.array] = dict(encoded.result()) if encoded is not None else {}
 
     def embed(start: int, chunk: Sequence[int]) -> mx.array:
         h = embed_tokens(mx.array([real_tokens(chunk)]))
@@ -53,10 +60,9 @@ def image_embedder(
         if not here:
             return h
         for _, (img, _) in here:
-            if img.digest not in encoded:
-                encoded[img.digest] = vision.features(img)
-        features = {img.digest: encoded[img.digest] for _, (img, _) in here}
-        order = list(features)
+            if img.digest not in features:
+                features[img.digest] = vision.features(img)
+        order = list(dict.fromkeys(img.digest for _, (img, _) in here))
         table = mx.concatenate([features[d] for d in order]).astype(h.dtype)
         offsets = dict(zip(order, [0, *[int(x) for x in _cumsum(features, order)]], strict=False))
         index = [0] * len(chunk)
@@ -67,6 +73,61 @@ def image_embedder(
         return mx.where(mx.array(mask)[None, :, None], rows, h)
 
     return embed
+
+
+class ImageEncodes:
+    """Images encoded on a thread of their own (flashserve-vision) while the batch decodes.
+
+    The worker hands every request it admits to `ready`: one whose images past
+    its cached prefix need the tower waits here, its images encoding, and comes
+    back from a later call once they are done; the worker then prefills it with
+    those features (image_embedder's `encoded`). With nothing decoding there is
+    nothing to overlap: `ready(..., wait=True)` waits for them.
+    """
+
+    def __init__(self, loaded: Callable[[], Any]):
+        self._loaded = loaded  # the worker's LoadedModel, once loaded
+        self._pool: ThreadPoolExecutor | None = None
+        self._parked: list[Any] = []  # the worker's Starts, in arrival order
+
+    @property
+    def waiting(self) -> bool:
+        return bool(self._parked)
+
+    def ready(self, starts: list[Any], wait: bool) -> list[Any]:
+        """Of the parked and the new `starts`, those to prefill now, in arrival order."""
+        new = []
+        for start in starts:
+            needed = self._needed(start)
+            if needed:
+                start.encoded = self._submit(needed)
+                self._parked.append(start)
+            else:
+                new.append(start)
+        if wait:
+            futures_wait([s.encoded for s in self._parked])
+        done = [s for s in self._parked if s.encoded.done()]
+        self._parked = [s for s in self._parked if not s.encoded.done()]
+        return done + new
+
+    def _needed(self, start: Any) -> list[Image]:
+        """The start's images that reach past its cached prefix (start.reused)."""
+        images = start.handle.request.images
+        vision = self._loaded().vision if images else None
+        if vision is None:
+            return []
+        by_id = {virtual_id(image, vision.tokens.token_id): image for image in images}
+        needed = {}
+        for position, token in enumerate(start.prompt):
+            if token >= VIRTUAL_BASE and position + vision.tokens.count > start.reused:
+                needed[by_id[token].digest] = by_id[token]
+        return list(needed.values())
+
+    def _submit(self, images: list[Image]) -> Future:
+        vision = self._loaded().vision
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="flashserve-vision")
+        return self._pool.submit(lambda: {i.digest: vision.features(i) for i in images})
 
 
 def _cumsum(features: dict[str, mx.array], order: list[str]) -> list[int]:
