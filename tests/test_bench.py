@@ -230,7 +230,8 @@ def test_quick_bench_prints_every_section(tmp_path: Path) -> None:
 
 
 def test_quick_decode_section_prints_both_kernels_and_its_targets(tmp_path: Path) -> None:
-    """The decode section (the default model): both kernels, llama.cpp where installed."""
+    """The decode section (the default model): both kernels, llama.cpp where installed;
+    the kv_bits rows against the float cache."""
     cmd = [sys.executable, "-m", "flashserve.server.cli", "bench", "--", "--quick"]
     cmd += ["--sections", "decode", "--tokens", "4", "--work-dir", str(tmp_path)]
     proc = subprocess.run(
@@ -250,6 +251,14 @@ def test_quick_decode_section_prints_both_kernels_and_its_targets(tmp_path: Path
     assert re.search(r"^  1 stream / llama.cpp( 1 stream: [0-9.]+x|: not measured)", targets, re.M)
     compiled = re.search(r"compiled step / step built by Python: ([0-9.]+)x", targets)
     assert compiled and float(compiled.group(1)) > 0, targets
+    # kv_bits (issue 57): float, 8 and 4 bits as served and as before, at a 4k context.
+    kv = [rows for t, rows in tables.items() if t.startswith("Decode with kv_bits")]
+    assert len(kv) == 1, proc.stdout
+    assert {r["cache"] for r in kv[0]} >= {"float", "kv_bits 8", "kv_bits 4"}, kv[0]
+    assert all(r["context"] == "4096" and _number(r["tokens/s"]) > 0 for r in kv[0]), kv[0]
+    for bits in (8, 4):
+        line = rf"^  kv_bits {bits} / float at 4096 tokens: [0-9.]+x \(target >= 0.9x\)"
+        assert re.search(line, proc.stdout, re.M), proc.stdout
 
 
 def test_quick_agent_turn_section_prints_its_rows_and_bounds(tmp_path: Path) -> None:

@@ -19,10 +19,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
 import pytest
 
-from flashserve.engine.compute import step_ops
+from flashserve.engine.compute import qmm, step_ops
 from flashserve.engine.config import EngineConfig
+from flashserve.engine.generation import decode_step
 from flashserve.engine.generation.requests import (
     DoneEvent,
     ErrorEvent,
@@ -33,6 +35,7 @@ from flashserve.engine.generation.requests import (
 from flashserve.engine.generation.worker import Engine
 from flashserve.engine.kv import cache as kv_cache
 from flashserve.engine.weights.prepare import prepare
+from flashserve.engine.weights.sources import load_plain
 from flashserve.engine.weights.synthetic import make_model_dir
 
 from .conftest import NO_EOS, Server, start_server, stop_server
@@ -396,3 +399,30 @@ def test_packed_attention_decodes_the_dequantized_paths_tokens(
         assert got == want
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_compiled_steps_decode_the_quantized_cache_to_the_bit(wide_llama: Path, bits: int):
+    """kv_bits' caches traced into the compiled decode step (generation/decode_step.py):
+    every step's log-probabilities equal the uncompiled step's, with left padding, a
+    sequence leaving early, one joining late and the buffers growing past 256 keys."""
+    from .test_decode_step import decode
+
+    assert qmm.select("fast") == "fast"
+    try:
+        model, _, _ = load_plain(wide_llama)
+        qmm.use_fast_qmm(model)
+        step_ops.install()
+        kv_cache.install(model, bits, 64)
+        prompts = [[5, 9, 13], [7, 3, 11, 2, 8, 4, 6, 10, 12, 14, 1], [9, 9, 2, 5, 7, 3]]
+        lengths = [270, 30, 40]
+        plain = decode(model, prompts, lengths, join_at=12)
+        compiled_model = decode_step.CompiledDecode(model)
+        compiled = decode(compiled_model, prompts, lengths, join_at=12)
+        assert {u: t for u, (t, _) in compiled.items()} == {u: t for u, (t, _) in plain.items()}
+        steps = [(a, b) for u in plain for a, b in zip(compiled[u][1], plain[u][1], strict=True)]
+        assert all(mx.array_equal(a, b).item() for a, b in steps)
+        assert not compiled_model.failed
+        assert compiled_model.steps >= lengths[0] - 2  # every decode step but the first
+    finally:
+        qmm.select("auto")

@@ -13,6 +13,16 @@ whose steps Python builds every time instead of replaying them compiled
 about LONG_CONTEXT tokens (a coding agent's conversation), on flashserve's
 kernel and on llama.cpp, where attention over the context weighs as much as
 the weights.
+
+Last, `kv_bits` (issue 57 item 5): one stream's decode at KV_CONTEXTS tokens of
+context with the float cache and with kv_bits 8 and 4, each as served (the
+compiled step; kv_bits' attention reading the packed cache), and kv_bits'
+decode as it was before (uncompiled steps dequantizing the whole cache), in
+interleaved rounds. The context is written straight into the caches through
+their own update path (random keys and values, quantized as a prefill would
+store them), not prefilled through the model: 32k tokens of prefill take
+hours on 2 cores, and decode's cost depends on the cache's size, not on what
+it holds. Targets: kv_bits >= 0.9x float at 4k, > 1.0x at 32k.
 """
 
 from __future__ import annotations
@@ -24,15 +34,23 @@ import time
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+from flashserve.engine import loader
 from flashserve.engine.bench.common import print_table, run_streams, start_engine
 from flashserve.engine.compute import qmm
 from flashserve.engine.config import EngineConfig
+from flashserve.engine.generation.decode_step import CompiledDecode
+from flashserve.engine.kv import cache as kv_cache
 from flashserve.engine.weights.sources import default_model_path
 
 log = logging.getLogger(__name__)
 
 PROMPT = "Fox 0:"
 LONG_CONTEXT = 4096  # tokens of the long-context row's prompt (the default model's: 8192)
+KV_CONTEXTS = (4096, 32768)  # the kv_bits rows' contexts (quick: the first)
+KV_TARGETS = {4096: 0.9, 32768: 1.0}  # kv_bits decode / float decode, at least (32k: above)
 
 
 def long_text(tokenizer: Any, tokens: int) -> str:
@@ -150,7 +168,9 @@ def run(work_dir: Path, *, tokens: int, quick: bool) -> dict:
             ["kernel", "tokens/s", "x short context", "x llama.cpp"],
             long_rows,
         )
+    kv = kv_bits_rows(tokens, quick=quick) if "fast" in kernels else None
     return {
+        "kv_bits": kv,
         "rows": [
             {"kernel": kernel, "streams": streams, "tokens_per_s": rate}
             for (kernel, streams), rate in best.items()
@@ -206,3 +226,99 @@ class LlamaCpp:
         ):
             times.append(time.perf_counter())
         return (len(times) - 1) / (times[-1] - times[0]) if len(times) > 2 else 0.0
+
+
+def _filled_caches(model: Any, bits: int | None, context: int) -> list[Any]:
+    """One sequence's batch caches holding `context` random positions (module docstring)."""
+    attn = model.layers[0].self_attn
+    heads, dim = attn.n_kv_heads, attn.head_dim
+    key = mx.random.key(0)
+    caches = []
+    for _ in model.layers:
+        cache = KVCache() if bits is None else kv_cache.QuantizedSeqKVCache(64, bits)
+        for start in range(0, context, 4096):
+            n = min(4096, context - start)
+            key, a, b = mx.random.split(key, 3)
+            cache.update_and_fetch(
+                mx.random.normal((1, heads, n, dim), key=a),
+                mx.random.normal((1, heads, n, dim), key=b),
+            )
+            mx.eval(cache.state)
+        caches.append(type(cache).merge([cache]))
+    return caches
+
+
+def _decode_rate(step: Any, caches: list[Any], steps: int) -> float:
+    """Greedy decode tokens/s of `steps` steps after one untimed step."""
+    token = mx.array([[PROMPT_TOKEN]])
+    times = []
+    for _ in range(steps + 1):
+        logits = step(token, cache=caches)
+        token = mx.argmax(logits[:, -1:, :], axis=-1)
+        mx.eval(token)
+        times.append(time.perf_counter())
+    return steps / (times[-1] - times[0])
+
+
+PROMPT_TOKEN = 100  # the token the kv_bits rows decode from (any: the cache is random)
+
+
+def kv_bits_rows(tokens: int, *, quick: bool) -> dict:
+    """Decode with kv_bits 8 and 4 against the float cache at long contexts; print the table."""
+    contexts = KV_CONTEXTS[:1] if quick else KV_CONTEXTS
+    rounds = 1 if quick else 5
+    loaded = loader.load(EngineConfig(model=None, kv_bits=8))  # the quantized SDPA installed
+    model, compiled = loaded.model, CompiledDecode(loaded.model)
+    # name -> (cache bits, step, packed attention). As served: compiled steps that
+    # read the packed cache; before issue 57, uncompiled steps that dequantized it.
+    ways = {
+        "float": (None, compiled, True),
+        "kv_bits 8": (8, compiled, True),
+        "kv_bits 4": (4, compiled, True),
+        "kv_bits 8, before (dequantize, uncompiled)": (8, model, False),
+        "kv_bits 4, before (dequantize, uncompiled)": (4, model, False),
+    }
+    rates: dict[tuple[int, str], list[float]] = {}
+    for context in contexts:
+        caches = {bits: _filled_caches(model, bits, context) for bits in (None, 8, 4)}
+        for _ in range(rounds):
+            for name, (bits, step, packed) in ways.items():
+                kv_cache.set_packed_attention(packed)
+                # The old path dequantizes the whole cache per layer: a few steps do.
+                n = max(2, tokens // 8) if not packed else tokens
+                try:
+                    rate = _decode_rate(step, caches[bits], n)
+                finally:
+                    kv_cache.set_packed_attention(True)
+                rates.setdefault((context, name), []).append(rate)
+                log.info("kv_bits round, %d tokens: %s %.1f tok/s", context, name, rate)
+        del caches
+    rows, verdicts = [], []
+    for context in contexts:
+        float_rates = rates[context, "float"]
+        for name in ways:
+            got = rates[context, name]
+            within = statistics.median(g / f for g, f in zip(got, float_rates, strict=True))
+            rows.append([context, name, max(got), within])
+        for bits in (8, 4):
+            got = rows[-len(ways) + list(ways).index(f"kv_bits {bits}")][3]
+            want = KV_TARGETS.get(context)
+            if want is not None:
+                ok = got > want if context > 4096 else got >= want
+                sign = ">" if context > 4096 else ">="
+                verdicts.append(
+                    f"  kv_bits {bits} / float at {context} tokens: {got:.2f}x "
+                    f"(target {sign} {want}x) {'met' if ok else 'MISSED'}"
+                )
+    print_table(
+        f"Decode with kv_bits: one stream, greedy, the default model, {tokens} tokens "
+        f"({max(2, tokens // 8)} before), best of {rounds} round(s), {os.cpu_count()} CPUs; "
+        "the context written into the caches directly (random keys and values), not prefilled",
+        ["context", "cache", "tokens/s", "x float (median of rounds)"],
+        rows,
+    )
+    print("\nkv_bits targets (medians of the ratios within each round)")
+    print("\n".join(verdicts))
+    return {
+        "rows": [{"context": c, "cache": n, "tokens_per_s": r, "x_float": x} for c, n, r, x in rows]
+    }

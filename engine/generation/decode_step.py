@@ -18,9 +18,18 @@ objects stay the state of record; the step writes its buffers, offsets and
 `_idx` back, so mlx-lm's batching (insert, filter, extract) and the prompt
 cache keep working on them unchanged.
 
+With `kv_bits` each layer's cache is a QuantizedBatchKVCache: three
+BatchKVCaches (packed integers, scales, biases), traced alike as six buffers
+(`_TracedQuantCache`): the new token's keys and values are quantized and
+written into them at the array position, and attention reads the packed
+buffers whole (compute/csrc/step_sdpa_quant.cpp leaves out the masked tail
+as the float kernel does), so these steps too are the uncompiled ones to the
+bit.
+
 A step is compiled only when its result cannot depend on anything else
 that changes: every weight resident (no layer streamer, no expert cache,
-no split across ranks), one new token per sequence, BatchKVCache layers.
+no split across ranks), one new token per sequence, BatchKVCache layers
+(or kv_bits' QuantizedBatchKVCache).
 Other calls go to the model as they are. A trace is kept per input shape
 (batch size, buffer capacity: it grows by mlx-lm's 256 keys) and per state
 of the switches that decide which ops a step is built from; the least
@@ -38,6 +47,8 @@ import mlx.nn as nn
 from mlx_lm.models.cache import BatchKVCache
 
 from flashserve.engine.compute import qmm, step_ops
+from flashserve.engine.kv import cache as kv_cache
+from flashserve.engine.kv.cache import QuantizedBatchKVCache
 from flashserve.engine.speculative.mlx_lm_internals import (
     right_padding_pending,
     set_write_position,
@@ -72,9 +83,57 @@ class _TracedCache:
         return self.mask
 
 
+class _TracedQuantCache(_TracedCache):
+    """One layer's QuantizedBatchKVCache inside the compiled step: its three parts'
+    buffers (packed integers, scales, biases; keys and values), written at an array
+    position. `bits` sends mlx-lm's attention to the quantized SDPA (kv/cache.py)."""
+
+    def __init__(
+        self,
+        buffers: list[mx.array],
+        offset: mx.array,
+        at: mx.array,
+        mask: mx.array,
+        group_size: int,
+        bits: int,
+    ) -> None:
+        super().__init__(buffers[0::2], buffers[1::2], offset, at, mask)  # type: ignore[arg-type]
+        self.group_size, self.bits = group_size, bits
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
+        qk = mx.quantize(keys, group_size=self.group_size, bits=self.bits)
+        qv = mx.quantize(values, group_size=self.group_size, bits=self.bits)
+        # Packed uint32 parts go through slice_update (in place, as cache_write, when
+        # the buffer is donated); cache_write takes the float32 scales and biases.
+        self.keys = [
+            step_ops.cache_write(b, x, self.at) for b, x in zip(self.keys, qk, strict=True)
+        ]
+        self.values = [
+            step_ops.cache_write(b, x, self.at) for b, x in zip(self.values, qv, strict=True)
+        ]
+        self.offset = self.offset + keys.shape[2]
+        return tuple(self.keys), tuple(self.values)
+
+    def buffers(self) -> list[mx.array]:
+        """The six buffers in the order they came in: each part's keys, then values."""
+        return [a for k, v in zip(self.keys, self.values, strict=True) for a in (k, v)]
+
+
+def _parts(c: Any) -> list[BatchKVCache]:
+    """The BatchKVCaches a layer's cache keeps: itself, or a quantized cache's three."""
+    return c.parts if isinstance(c, QuantizedBatchKVCache) else [c]
+
+
+def _layout(cache: list[Any]) -> tuple[tuple[int, int] | None, ...]:
+    """Per layer: None for a float cache, (group size, bits) for a quantized one."""
+    return tuple(
+        (c.group_size, c.bits) if isinstance(c, QuantizedBatchKVCache) else None for c in cache
+    )
+
+
 def switches() -> tuple[bool, ...]:
     """What decides which ops a step is built from: a trace is kept per state."""
-    return (qmm.active(), step_ops.active(), qmm.fusion())
+    return (qmm.active(), step_ops.active(), qmm.fusion(), kv_cache.packed_attention())
 
 
 # Traces kept, one per (switches, batch size, buffer capacity), least recently
@@ -110,11 +169,12 @@ class CompiledDecode:
             log.warning("decode step not compiled for this model (%s); running it uncompiled", exc)
             return self.model(inputs, cache=cache)
 
-    def _compiled(self, inputs: mx.array, cache: list[BatchKVCache]) -> mx.array:
-        idx = write_position(cache[0])
+    def _compiled(self, inputs: mx.array, cache: list[Any]) -> mx.array:
+        first = _parts(cache[0])[0]
+        idx = write_position(first)
         for c in cache:
             _make_room(c, inputs.shape[0])
-        capacity = cache[0].keys.shape[2]
+        capacity = first.keys.shape[2]
         # BatchKVCache's own mask for this step (left padding to the new key),
         # widened to the whole buffer: keys past the new one hidden from every row.
         mask = cache[0].make_mask(1, return_array=True)
@@ -124,60 +184,80 @@ class CompiledDecode:
         # Every layer has taken the same tokens (BatchGenerator updates them
         # alike), so their offsets are equal: one array serves them all, and
         # the trace computes the next one once instead of once per layer.
-        state = [cache[0].offset] + [a for c in cache for a in (c.keys, c.values)]
-        key = (*switches(), inputs.shape[0], capacity)
+        state = [first.offset] + [a for c in cache for p in _parts(c) for a in (p.keys, p.values)]
+        layout = _layout(cache)
+        key = (*switches(), inputs.shape[0], capacity, layout)
         fn = self._fns.pop(key, None)
         if fn is None:
-            fn = mx.compile(self._step)
+            fn = mx.compile(lambda *args: self._step(layout, *args))
             if len(self._fns) >= MAX_TRACES:
                 del self._fns[next(iter(self._fns))]  # the least recently used
         self._fns[key] = fn  # now the most recently used
         logits, offset, *new = fn(inputs, at, mask, state)
-        for i, c in enumerate(cache):
+        parts = [p for c in cache for p in _parts(c)]
+        for i, p in enumerate(parts):
             # The old buffers' last reference goes here, so the step's slice
             # updates write in place when it runs, as BatchKVCache's do.
-            c.keys, c.values = new[2 * i : 2 * i + 2]
-            c.offset = offset
-            set_write_position(c, idx + inputs.shape[1])
+            p.keys, p.values = new[2 * i : 2 * i + 2]
+            p.offset = offset
+            set_write_position(p, idx + inputs.shape[1])
         self.steps += 1
         return logits
 
     def _step(
-        self, inputs: mx.array, at: mx.array, mask: mx.array, state: list[mx.array]
+        self,
+        layout: tuple[tuple[int, int] | None, ...],
+        inputs: mx.array,
+        at: mx.array,
+        mask: mx.array,
+        state: list[mx.array],
     ) -> list[mx.array]:
         offset, buffers = state[0], state[1:]
-        caches = [
-            _TracedCache(buffers[i], buffers[i + 1], offset, at, mask)
-            for i in range(0, len(buffers), 2)
-        ]
+        caches: list[_TracedCache] = []
+        i = 0
+        for quantized in layout:
+            if quantized is None:
+                caches.append(_TracedCache(buffers[i], buffers[i + 1], offset, at, mask))
+                i += 2
+            else:
+                caches.append(_TracedQuantCache(buffers[i : i + 6], offset, at, mask, *quantized))
+                i += 6
         out = [self.model(inputs, cache=caches), caches[0].offset]
         for c in caches:
-            out += [c.keys, c.values]
+            out += c.buffers() if isinstance(c, _TracedQuantCache) else [c.keys, c.values]
         return out
 
 
 def _eligible(inputs: mx.array, cache: list[Any] | None) -> bool:
-    """One new token per sequence over plain BatchKVCache layers at one position."""
+    """One new token per sequence over plain (or kv_bits') BatchKVCache layers at one position."""
     if not cache or inputs.ndim != 2 or inputs.shape[1] != 1:
         return False
-    if not all(type(c) is BatchKVCache and c.keys is not None for c in cache):
+    if not all(type(c) in (BatchKVCache, QuantizedBatchKVCache) for c in cache):
         return False
-    idx = write_position(cache[0])
-    return all(write_position(c) == idx and not right_padding_pending(c) for c in cache)
+    parts = [p for c in cache for p in _parts(c)]
+    if any(p.keys is None for p in parts):
+        return False
+    idx = write_position(parts[0])
+    return all(write_position(p) == idx and not right_padding_pending(p) for p in parts)
 
 
-def _make_room(c: BatchKVCache, batch: int) -> None:
+def _make_room(c: Any, batch: int) -> None:
     """Grow a layer's buffers for one more key the way BatchKVCache does, if they are full.
 
     Through its own update_and_fetch (a zero key, taken back with trim), so
     mlx-lm keeps deciding how buffers grow.
     """
-    if write_position(c) < c.keys.shape[2]:
+    first = _parts(c)[0]
+    if write_position(first) < first.keys.shape[2]:
         return
-    k, v = c.keys, c.values
+    k, v = first.keys, first.values
+    # A quantized cache's first part holds packed integers: 32 / bits values a word.
+    quantized = isinstance(c, QuantizedBatchKVCache)
+    per_word = 32 // c.bits if quantized else 1
+    dtype = c.parts[1].keys.dtype if quantized else k.dtype  # the scales': the compute dtype
     c.update_and_fetch(
-        mx.zeros((batch, k.shape[1], 1, k.shape[3]), k.dtype),
-        mx.zeros((batch, v.shape[1], 1, v.shape[3]), v.dtype),
+        mx.zeros((batch, k.shape[1], 1, k.shape[3] * per_word), dtype),
+        mx.zeros((batch, v.shape[1], 1, v.shape[3] * per_word), dtype),
     )
     c.trim(1)
 

@@ -38,8 +38,8 @@ the values mlx-lm's would read (MLX's own float SDPA over them matched its
 quantized one bit for bit), with the float path's properties: a row's output
 depends neither on its chunk nor on left padding, so cached-prefix and
 batched greedy tokens match a cold prefill at the same kv_bits. The compiled
-decode step (generation/decode_step.py) takes plain BatchKVCache layers
-only, so a quantized batch decodes uncompiled.
+decode step (generation/decode_step.py) traces a QuantizedBatchKVCache as its
+parts' buffers, so a quantized batch decodes compiled, as a float one does.
 
 Only plain attention layers (a model's KVCache) are quantized; rotating
 windows and recurrent state stay as the model makes them.

@@ -67,6 +67,28 @@ __attribute__((target("avx2,fma"))) inline void sum8(const __m256* a, float* out
                                       _mm256_permute2f128_ps(s0123, s4567, 0x31)));
 }
 
+// out[t] = the sum of row t's sixteen lanes (rows: 16 x 16 floats), by the same
+// tree for every row: within each 128-bit block (l0 + l2) + (l1 + l3), then
+// (b0 + b1) + (b2 + b3) over the blocks.
+__attribute__((target("avx512f"))) inline __m512 sum16(const float* rows) {
+  __m512 c[8], d[4];
+  for (int i = 0; i < 8; ++i) {
+    const __m512 a = _mm512_loadu_ps(rows + 32 * i), b = _mm512_loadu_ps(rows + 32 * i + 16);
+    c[i] = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  }
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(c[2 * i]), b = _mm512_castps_pd(c[2 * i + 1]);
+    d[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  const __m512 f01 = _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 f23 = _mm512_add_ps(_mm512_shuffle_f32x4(d[2], d[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(d[2], d[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(f01, f23, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(f01, f23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
 // out[t] = q . k_t for eight key rows `stride` floats apart (D a multiple of
 // 8): one k load feeds one FMA, and the eight sums are reduced together.
 __attribute__((target("avx2,fma"))) inline void scores8(const float* q, const float* k,
@@ -157,8 +179,15 @@ __attribute__((target("avx2,fma"))) inline void softmax_part(float* scores, int 
       const float* m = mask->data<float>() + b * ms[0] + h * ms[1] + i * ms[2] + j0 * ms[3];
       for (int j = 0; j < n; ++j) sr[j] += m[j * ms[3]];
     }
+    // The largest score, eight lanes at a time (a maximum is the same in any order).
+    __m256 tops = _mm256_set1_ps(-inf);
+    int k = 0;
+    for (; k + 8 <= n; k += 8) tops = _mm256_max_ps(tops, _mm256_loadu_ps(sr + k));
+    float lane_tops[8];
+    _mm256_storeu_ps(lane_tops, tops);
     float top = -inf;
-    for (int j = 0; j < n; ++j) top = std::max(top, sr[j]);
+    for (float t : lane_tops) top = std::max(top, t);
+    for (; k < n; ++k) top = std::max(top, sr[k]);
     part.top[r] = top;
     if (top == -inf) continue;  // only -inf (an additive mask): nothing from this chunk
     const __m256 m = _mm256_set1_ps(top);

@@ -273,16 +273,19 @@ __attribute__((target("avx2"))) inline void prefetch_row(const Packed& src, int 
 }
 
 // For keys [j0, j0 + n): F * scale and bias - F * scale, group-major (groups x n).
-__attribute__((target("avx2,fma"))) void unit_terms(const Packed& src, int j0, int n, int groups,
-                                                     int bits, Scratch& sc) {
+// Their rows are `stride` = n rounded up to 16 long, zero past n (the last
+// pass of sixteen keys reads them whole); the stride is returned.
+__attribute__((target("avx2,fma"))) int unit_terms(const Packed& src, int j0, int n, int groups,
+                                                    int bits, Scratch& sc) {
   const float F = float(1 << bits);
-  sc.scale.resize(size_t(groups) * n);
-  sc.bias.resize(size_t(groups) * n);
+  const int stride = (n + 15) / 16 * 16;
+  sc.scale.assign(size_t(groups) * stride, 0.0f);
+  sc.bias.assign(size_t(groups) * stride, 0.0f);
   for (int g = 0; g < groups; ++g) {
     const float* s = src.s.p + j0 * src.s.rs + g * src.s.es;
     const float* b = src.b.p + j0 * src.b.rs + g * src.b.es;
-    float* __restrict fs = &sc.scale[size_t(g) * n];
-    float* __restrict c = &sc.bias[size_t(g) * n];
+    float* __restrict fs = &sc.scale[size_t(g) * stride];
+    float* __restrict c = &sc.bias[size_t(g) * stride];
     if (src.s.rs == 1 && src.b.rs == 1) {  // one group a row: contiguous, vectorized
       for (int j = 0; j < n; ++j) {
         fs[j] = F * s[j];  // exact: a power of two
@@ -295,6 +298,7 @@ __attribute__((target("avx2,fma"))) void unit_terms(const Packed& src, int j0, i
       }
     }
   }
+  return stride;
 }
 
 // scores[r * n + j] = q_r . k_j for the chunk's n keys: q rows in lane order,
@@ -305,12 +309,12 @@ __attribute__((target("avx512f,avx2,fma"))) void scores_avx512(const Packed& src
                                                                const float* qsum, int R,
                                                                float* scores, Scratch& sc) {
   constexpr int D = NV * 16, PER_GROUP = G / 16, GROUPS = NV / PER_GROUP;
-  unit_terms(src, j0, n, GROUPS, BITS, sc);
-  // Each (row, group, key)'s dot folded to eight lanes, eight keys at a time.
-  sc.weights.resize(size_t(R) * GROUPS * 64);
-  float* halves = sc.weights.data();
-  for (int j = 0; j < n; j += 8) {
-    for (int t = 0; t < 8; ++t) {
+  const int stride = unit_terms(src, j0, n, GROUPS, BITS, sc);
+  // Each (row, group, key)'s dot as sixteen lanes, sixteen keys at a time.
+  sc.weights.resize(size_t(R) * GROUPS * 256);
+  float* lanes = sc.weights.data();
+  for (int j = 0; j < n; j += 16) {
+    for (int t = 0; t < 16; ++t) {
       __m512 f[NV];
       const uint8_t* bytes = reinterpret_cast<const uint8_t*>(src.w.p + (j0 + j + t) * src.w.rs);
       prefetch_row(src, j0 + j + t + PREFETCH_ROWS, j0 + n, NV * 2 * BITS);
@@ -327,28 +331,21 @@ __attribute__((target("avx512f,avx2,fma"))) void scores_avx512(const Packed& src
           for (int i = i0 + 1; i < i0 + PER_GROUP; ++i) {
             a = _mm512_fmadd_ps(f[i], _mm512_loadu_ps(qr + 16 * i), a);
           }
-          const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
-          _mm256_storeu_ps(halves + ((r * GROUPS + g) * 8 + t) * 8,
-                           _mm256_add_ps(_mm512_castps512_ps256(a), hi));
+          _mm512_storeu_ps(lanes + ((r * GROUPS + g) * 16 + t) * 16, a);
         }
       }
     }
-    const int m = std::min(8, n - j);
     for (int r = 0; r < R; ++r) {
-      __m256 acc = _mm256_setzero_ps();
+      __m512 acc = _mm512_setzero_ps();
       for (int g = 0; g < GROUPS; ++g) {
-        __m256 h[8];
-        float dots[8], fs[8] = {}, c[8] = {};
-        for (int t = 0; t < 8; ++t) h[t] = _mm256_loadu_ps(halves + ((r * GROUPS + g) * 8 + t) * 8);
-        sum8(h, dots);
-        std::copy_n(&sc.scale[size_t(g) * n + j], m, fs);
-        std::copy_n(&sc.bias[size_t(g) * n + j], m, c);
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(fs), _mm256_loadu_ps(dots), acc);
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(c), _mm256_set1_ps(qsum[r * GROUPS + g]), acc);
+        const __m512 dots = sum16(lanes + (r * GROUPS + g) * 256);
+        const __m512 qs = _mm512_set1_ps(qsum[r * GROUPS + g]);
+        acc = _mm512_fmadd_ps(_mm512_loadu_ps(&sc.scale[size_t(g) * stride + j]), dots, acc);
+        acc = _mm512_fmadd_ps(_mm512_loadu_ps(&sc.bias[size_t(g) * stride + j]), qs, acc);
       }
-      float out[8];
-      _mm256_storeu_ps(out, acc);
-      std::copy_n(out, m, scores + size_t(r) * n + j);
+      float out[16];
+      _mm512_storeu_ps(out, acc);
+      std::copy_n(out, std::min(16, n - j), scores + size_t(r) * n + j);
     }
   }
 }
@@ -360,7 +357,7 @@ __attribute__((target("avx512f,avx2,fma"))) void values_avx512(const Packed& src
                                                                const float* p, int R,
                                                                float* acc, Scratch& sc) {
   constexpr int RB = 16 / NV, Dv = NV * 16, PER_GROUP = G / 16, GROUPS = NV / PER_GROUP;
-  unit_terms(src, j0, n, GROUPS, BITS, sc);
+  const int stride = unit_terms(src, j0, n, GROUPS, BITS, sc);
   // w[(r * GROUPS + g) * n + j] = p_rj * F s_jg; the bias terms once per row and group.
   sc.weights.resize(size_t(R) * GROUPS * n);
   std::vector<float>& bias_sums = sc.qsum;
@@ -369,8 +366,8 @@ __attribute__((target("avx512f,avx2,fma"))) void values_avx512(const Packed& src
     for (int g = 0; g < GROUPS; ++g) {
       const float* pr = p + size_t(r) * n;
       float* w = &sc.weights[(size_t(r) * GROUPS + g) * n];
-      for (int j = 0; j < n; ++j) w[j] = pr[j] * sc.scale[size_t(g) * n + j];
-      bias_sums[r * GROUPS + g] = in_order_dot(pr, &sc.bias[size_t(g) * n], n);
+      for (int j = 0; j < n; ++j) w[j] = pr[j] * sc.scale[size_t(g) * stride + j];
+      bias_sums[r * GROUPS + g] = in_order_dot(pr, &sc.bias[size_t(g) * stride], n);
     }
   }
   for (int r0 = 0; r0 < R; r0 += RB) {
@@ -477,15 +474,16 @@ void quant_part_avx512(const QuantArgs& a, int b, int hk, int c, Partial& part) 
       to_lane_order<4>(row.data(), D, &sc.qrows[size_t(r) * D]);
     }
   }
+  const Packed keys(a.k, b, hk), values(a.v, b, hk);
   std::vector<float> scores(size_t(R) * n);
-  pick_scores(D, a.group, a.bits)(Packed(a.k, b, hk), j0, n, sc.qrows.data(), qsum.data(), R,
+  pick_scores(D, a.group, a.bits)(keys, j0, n, sc.qrows.data(), qsum.data(), R,
                                   scores.data(), sc);
   softmax_part(scores.data(), R, n, j0, Lk, Lq, repeats, b, hk, a.mask, a.mode, Dv, part);
   const float inf = std::numeric_limits<float>::infinity();
   for (int r = 0; r < R; ++r) {  // a row that takes nothing from this chunk: weights 0
     if (part.top[r] == -inf) std::fill_n(&scores[size_t(r) * n], n, 0.0f);
   }
-  pick_values(Dv, a.group, a.bits)(Packed(a.v, b, hk), j0, n, scores.data(), R, part.acc.data(),
+  pick_values(Dv, a.group, a.bits)(values, j0, n, scores.data(), R, part.acc.data(),
                                    sc);
 }
 
