@@ -154,6 +154,8 @@ def test_next_turn_reuses_the_image_without_the_tower(server: Server) -> None:
     assert cached >= first.usage.prompt_tokens
     # ...and the vision tower did not run for it.
     assert encoded(server) == before
+    vision = server.http().get("/memory").json()["vision"]
+    assert vision["images_encoded"] == before and vision["weight_bytes"] > 0
     # Another image in the same place: only the text before it is reused.
     other = chat(server, ask_about(png(5)))
     other_next = chat(

@@ -98,6 +98,8 @@ class Mirror:
             return "n > 1 is not available while the model is split across ranks", "n"
         if request.prompt_logprobs is not None or request.max_tokens == 0:
             return "prompt logprobs (echo) are not available while the model is split", "echo"
+        if request.images:  # prefilled outside the batch, which the ranks do not mirror
+            return "images are not available while the model is split across ranks", "messages"
         return None
 
     def sampler(self, sampler: Sampler) -> tuple[Sampler, str]:

@@ -50,6 +50,7 @@ from greenlet import greenlet
 
 from flashserve.engine.compute import heap, prompt_matmul
 from flashserve.engine.experts.prefill import hold_room, release_room
+from flashserve.engine.vision.prompt import real_tokens
 from flashserve.engine.weights.layout import find_layers
 from flashserve.engine.weights.model import ModelLoadError, compute_dtype
 
@@ -73,6 +74,9 @@ class PrefillJob:
     cache: list[Any]
     keep_prefix: bool = False  # also keep a copy of the state after tokens[:-1]
     cancelled: Callable[[], bool] = lambda: False
+    # A prompt with images: embed(position, tokens) gives a chunk's input embeddings,
+    # the images' features merged in (vision/embed.py); `position` is the cache's.
+    embed: Callable[[int, list[int]], mx.array] | None = None
     # Results
     logits: mx.array | None = None  # (vocab,) after the last token
     prefix_state: list[Any] | None = None  # the cache after tokens[:-1]
@@ -357,8 +361,14 @@ def _layer_list(model: nn.Module) -> list[nn.Module] | None:
 
 
 def _forward(model: nn.Module, chunk: _Chunk, cache: list[Any]) -> Callable[[], None]:
+    embed = chunk.job.embed
+
     def run() -> None:
-        logits = model(mx.array([chunk.tokens]), cache=cache)
+        if embed is None:
+            logits = model(mx.array([chunk.tokens]), cache=cache)
+        else:
+            inputs = mx.array([real_tokens(chunk.tokens)])
+            logits = model(inputs, cache=cache, input_embeddings=embed(chunk.start, chunk.tokens))
         if chunk.last:  # other chunks' logits stay lazy: never computed
             chunk.job.logits = logits[0, -1]
 

@@ -246,9 +246,8 @@ class Engine:
             self._finish(active, uid, "cancelled")
 
     def _drop_cancelled(self, batch: BatchGenerator, active: dict[int, Choice]) -> None:
-        """Remove cancelled choices from the batch. A prompt cancelled part way through
-        its prefill keeps what was prefilled in the prompt cache: a client that gave
-        up on a long prefill (an idle timeout) and retries resumes from there."""
+        """Remove cancelled choices from the batch; a prompt cancelled during its prefill
+        keeps what was prefilled in the prompt cache (a client's retry resumes there)."""
         cancelled = [u for u, a in active.items() if a.handle.cancelled]
         if not cancelled:
             return
@@ -379,7 +378,7 @@ class Engine:
         (generation/prefill.py says why and how); the batch decodes from the second on.
         """
         # A request that wants its prompt's logprobs is prefilled alone, which keeps them.
-        starts = [s for s in starts if s.handle.request.prompt_logprobs is None and not s.images]
+        starts = [s for s in starts if s.handle.request.prompt_logprobs is None]
         if self._layer_major is None or not self._layer_major_wanted() or not starts:
             return
         assert self.loaded is not None
@@ -394,6 +393,7 @@ class Engine:
                 and self.config.prompt_prefix_states
                 and s.handle.request.use_prompt_cache,
                 cancelled=s.handle.was_cancelled,
+                embed=image_embedder(self.loaded, s.prompt, s.images, s.encoded),
             )
             for s in starts
         ]

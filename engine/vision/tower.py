@@ -78,6 +78,7 @@ class VisionModel:
         params = [*self.model.vision_tower.parameters().values()]
         params.append(self.model.multi_modal_projector.parameters())
         mx.eval(params)
+        self.weight_bytes = sum(a.nbytes for _, a in tree_flatten(params))
         self.processor = processor_class.from_pretrained(str(path), backend="pil")
         self.tokens = _gemma3_tokens(self.config, tokenizer)
         self._lock = threading.Lock()  # the counters: /metrics reads them
@@ -89,6 +90,15 @@ class VisionModel:
             time.perf_counter() - started,
             self.tokens.count,
         )
+
+    def report(self) -> dict[str, float]:
+        """For /memory: the tower's resident weights and what it encoded."""
+        with self._lock:
+            return {
+                "weight_bytes": self.weight_bytes,
+                "images_encoded": self.encodes,
+                "encode_seconds": round(self.encode_seconds, 6),
+            }
 
     def prompt(self, images: list[Image]) -> ImagePrompt:
         return ImagePrompt(images, self.tokens)

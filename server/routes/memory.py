@@ -85,6 +85,11 @@ class MemoryResponse(BaseModel):
         description="the model split across ranks: each rank's layers (first, last) and "
         "memory (rank 0's now, the others' from their last heartbeat); null: one process",
     )
+    vision: dict | None = Field(
+        None,
+        description="a vision-language model's tower and projector: weight_bytes (always "
+        "resident), images_encoded, encode_seconds; null: a text-only model",
+    )
     models: list[dict[str, Any]] | None = Field(
         None,
         description="several models: each one's state and the private memory its load "
@@ -110,7 +115,10 @@ def get_memory(loaded: ReadyModel, engine: EngineDep, pool: PoolDep) -> MemoryRe
     mirror = getattr(engine, "mirror", None)
     distributed = mirror.report() if mirror is not None else None
     models = pool.describe() if len(pool.slots) > 1 else None
-    return MemoryResponse(**report.to_dict(), batch=batch, distributed=distributed, models=models)
+    vision = loaded.vision.report() if loaded.vision is not None else None
+    return MemoryResponse(
+        **report.to_dict(), batch=batch, distributed=distributed, vision=vision, models=models
+    )
 
 
 def metric_numbers(engine: Engine) -> dict[str, Any]:
