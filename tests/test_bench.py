@@ -295,6 +295,16 @@ def test_quick_agent_turn_section_prints_its_rows_and_bounds(tmp_path: Path) -> 
     bound = 1.3 * (_number(row["cold 40 s"]) + _number(row["attention 40 x 640 s"]))
     assert abs(_number(row["bound s"]) - bound) < 0.02
     assert re.search(r"agent turn TTFT [0-9.]+ s, bound 1.3 x \(", targets)
+    # The dense Q4_0 model's rows (engine/bench/dense_turn.py): both paths, both prompts.
+    dense = [rows for t, rows in tables.items() if t.startswith("Cold prefill, dense qwen3")]
+    assert len(dense) == 1, proc.stdout
+    assert {(r["prefill"], r["prompt tokens"]) for r in dense[0]} == {
+        (p, n) for p in ("int16", "float (before)") for n in ("160", "24")
+    }
+    assert all(_number(r["tok/s"]) > 0 for r in dense[0])
+    dense_targets = proc.stdout.split("1.2B dense targets")[1]
+    assert re.search(r"^  160 tokens, int16 / float: [0-9.]+x$", dense_targets, re.M)
+    assert re.search(r"^  24 tokens / llama-server: not measured", dense_targets, re.M)
 
 
 def test_quick_speculative_section_prints_its_rows(tmp_path: Path) -> None:

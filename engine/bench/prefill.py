@@ -333,13 +333,18 @@ def _with_parallel(on: bool, fn: Callable[[], Measured]) -> Measured:
         prompt_matmul.set_parallel(True)
 
 
+def llama_server_binary() -> Path | None:
+    """llama.cpp's server named by FLASHSERVE_LLAMA_SERVER, or None."""
+    return Path(os.environ[LLAMA_ENV]) if os.environ.get(LLAMA_ENV) else None
+
+
 def run_agent_turn(
     work_dir: Path, *, llama_server: Path | None = None, quick: bool = False
 ) -> dict:
     """Run the agent-turn section; print its tables and targets; return its numbers."""
     sizes = QUICK_AGENT_TURN if quick else AGENT_TURN
     rounds = 1 if quick else ROUNDS
-    binary = llama_server or (Path(os.environ[LLAMA_ENV]) if os.environ.get(LLAMA_ENV) else None)
+    binary = llama_server or llama_server_binary()
     gguf = default_model_path()
     threads = cores.usable()
     engine = start_engine(EngineConfig(prompt_cache_bytes=2 << 30, prompt_cache_disk_bytes=0))

@@ -21,7 +21,9 @@ Sections (all but cap by default):
            small model's TTFT while a big streamed one decodes against alone
   agent-turn  the default model: cold prefill of 1,066 tokens on all cores vs one
            thread (cores busy; llama-server's beside it with --llama-server or
-           FLASHSERVE_LLAMA_SERVER), and 6k cached + 200 new tokens against its bound
+           FLASHSERVE_LLAMA_SERVER), and 6k cached + 200 new tokens against its bound;
+           the 1.2B dense Q4_0 model's cold prefill (1,160 and 57 tokens) on the
+           integer prompt GEMM and the float path, beside llama-server
 
 --plot DIR draws the numbers as PNGs in DIR (plots.py; needs matplotlib).
 
@@ -41,6 +43,7 @@ from flashserve.engine.bench import (
     batch,
     cap,
     decode,
+    dense_turn,
     distributed,
     experts,
     io,
@@ -143,6 +146,10 @@ def main(argv: list[str] | None = None) -> int:
         elif section == "agent-turn":
             results[section] = prefill.run_agent_turn(
                 args.work_dir, llama_server=args.llama_server, quick=args.quick
+            )
+            binary = args.llama_server or prefill.llama_server_binary()
+            results[section]["dense_1p2b"] = dense_turn.run(
+                args.work_dir, binary, 1 if args.quick else prefill.ROUNDS, args.quick
             )
         else:
             parser.error(f"unknown section {section!r}")
