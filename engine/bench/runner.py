@@ -16,7 +16,8 @@ Sections (all but cap by default):
            --no-repack (Linux, root; not in the default list)
   decode   the default model's decode tokens/s at 1, 4, 8 streams: flashserve's
            CPU quantized matmul vs MLX's kernel (and llama.cpp when installed);
-           one stream after a 4k-token prompt
+           one stream after a 4k-token prompt; kv_bits 8 and 4 against the float
+           cache at 4k and 32k tokens of context
   models   several models in one server: load time, first TTFT with the load, the
            small model's TTFT while a big streamed one decodes against alone
   agent-turn  the default model: cold prefill of 1,066 tokens on all cores vs one
