@@ -295,7 +295,7 @@ def test_quick_agent_turn_section_prints_its_rows_and_bounds(tmp_path: Path) -> 
     bound = 1.3 * (_number(row["cold 40 s"]) + _number(row["attention 40 x 640 s"]))
     assert abs(_number(row["bound s"]) - bound) < 0.02
     assert re.search(r"agent turn TTFT [0-9.]+ s, bound 1.3 x \(", targets)
-    # The dense Q4_0 model's rows (engine/bench/dense_turn.py): both paths, both prompts.
+    # The dense Q4_0 model's rows (bench/prefill.py run_dense_turn): both paths, both prompts.
     dense = [rows for t, rows in tables.items() if t.startswith("Cold prefill, dense qwen3")]
     assert len(dense) == 1, proc.stdout
     assert {(r["prefill"], r["prompt tokens"]) for r in dense[0]} == {

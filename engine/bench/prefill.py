@@ -27,6 +27,12 @@ Default model (the SmolLM2 GGUF), one engine, one run (issue 42):
   beside the bound 1.3 x (cold prefill of 200 tokens + the attention of 200
   query rows over 6,200 keys in every layer, timed alone: the attention op
   on random q, k, v of the model's shapes).
+
+A real model size (`run_dense_turn`, issue 57): the cap bench's 1.2B dense qwen3
+in Q4_0 (CAP_DENSE), resident; cold prefill of 1,160 and 57 tokens with prompt
+chunks on the integer GEMM (`prompt_matmul` "int16", the default) and on the
+float path ("float": this model's matrices all take the few-row kernel),
+interleaved, beside `llama-server` on the same GGUF. Target: >= 1.0x llama-server.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ import httpx
 import mlx.core as mx
 import mlx.nn as nn
 
+from flashserve.engine.bench.cap.section import cap_model
 from flashserve.engine.bench.common import print_table, start_engine
 from flashserve.engine.bench.prompt_cache import first_token
 from flashserve.engine.compute import blas, cores, prompt_matmul
@@ -504,3 +511,61 @@ def _report(
         "agent_turn": agent,
         "llama_server": llama_note or "measured",
     }
+
+
+DENSE = (1160, 57)  # the issue's prompts
+QUICK_DENSE = (160, 24)
+
+
+def run_dense_turn(work_dir: Path, binary: Path | None, rounds: int, quick: bool = False) -> dict:
+    """The 1.2B dense model's rows: measure, print the table and targets, return them."""
+    gguf, _ = cap_model(work_dir, "dense", quick=quick)
+    lengths = QUICK_DENSE if quick else DENSE
+    engine = start_engine(EngineConfig(model=str(gguf), prompt_cache_bytes=0))
+    llama = None
+    try:
+        assert engine.loaded is not None
+        model = engine.loaded.model
+        prompts = {n: _prompt(engine, n, salt=i) for i, n in enumerate(lengths)}
+
+        def ours(choice: str, length: int) -> Measured:
+            prompt_matmul.set_prompt_matmul(model, choice)
+            try:
+                return _cold(engine, prompts[length])
+            finally:
+                prompt_matmul.set_prompt_matmul(model, "int16")
+
+        _cold(engine, prompts[lengths[1]])  # warm up
+        measures: dict[str, Callable[[], Measured]] = {}
+        for n in lengths:
+            measures[f"int16, {n}"] = lambda n=n: ours("int16", n)
+            measures[f"float (before), {n}"] = lambda n=n: ours("float", n)
+        if binary is not None and binary.is_file():
+            llama = LlamaServer(binary, gguf, lengths[0] + 64, cores.usable())
+            llama.cold(prompts[lengths[1]])  # warm up
+            for n in lengths:
+                measures[f"llama-server, {n}"] = lambda n=n: llama.cold(prompts[n])
+        got = _rounds(measures, rounds)
+    finally:
+        engine.shutdown()
+        if llama is not None:
+            llama.close()
+    size = "(quick shape)" if quick else "1.2B"
+    print_table(
+        f"Cold prefill, dense qwen3 {size} Q4_0, best of rounds",
+        ["prefill", "prompt tokens", "tok/s", "cores busy", "CPU spread"],
+        [[k.rsplit(", ", 1)[0], int(k.rsplit(", ", 1)[1]), *v] for k, v in got.items()],
+    )
+    print("\n1.2B dense targets")
+    for n in lengths:
+        rate = got[f"int16, {n}"][0]
+        print(f"  {n} tokens, int16 / float: {rate / got[f'float (before), {n}'][0]:.2f}x")
+        if f"llama-server, {n}" in got:
+            ratio = rate / got[f"llama-server, {n}"][0]
+            verdict = "met" if ratio >= TARGET_LLAMA else "MISSED"
+            print(
+                f"  {n} tokens / llama-server: {ratio:.2f}x (target >= {TARGET_LLAMA}x) {verdict}"
+            )
+        else:
+            print(f"  {n} tokens / llama-server: not measured (no binary)")
+    return {k: dict(zip(MEASURED, v, strict=True)) for k, v in got.items()}

@@ -44,7 +44,6 @@ from flashserve.engine.bench import (
     batch,
     cap,
     decode,
-    dense_turn,
     distributed,
     experts,
     io,
@@ -149,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.work_dir, llama_server=args.llama_server, quick=args.quick
             )
             binary = args.llama_server or prefill.llama_server_binary()
-            results[section]["dense_1p2b"] = dense_turn.run(
+            results[section]["dense_1p2b"] = prefill.run_dense_turn(
                 args.work_dir, binary, 1 if args.quick else prefill.ROUNDS, args.quick
             )
         else:
