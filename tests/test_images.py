@@ -108,6 +108,9 @@ def test_the_image_reaches_the_model(server: Server) -> None:
     assert first.choices[0].message.content != text.choices[0].message.content
     # The image's tokens are the prompt's: 4 placeholders and their markup.
     assert first.usage.prompt_tokens > text.usage.prompt_tokens + TOKENS_PER_IMAGE
+    # n choices share one prefill with the image: greedy, each is the same answer.
+    both = chat(server, ask_about(png(1)), n=2)
+    assert [c.message.content for c in both.choices] == [first.choices[0].message.content] * 2
 
 
 def test_the_three_apis_give_the_same_tokens(server: Server) -> None:
@@ -123,6 +126,10 @@ def test_the_three_apis_give_the_same_tokens(server: Server) -> None:
         extra_body={"temperature": 0},
     )
     assert seen.usage.completion_tokens > 0
+    counted = sdk.messages.count_tokens(
+        model=server.model_id, messages=[{"role": "user", "content": [QUESTION, block]}]
+    )
+    assert counted.input_tokens == seen.usage.prompt_tokens
     usage = message.usage
     assert usage.input_tokens + (usage.cache_read_input_tokens or 0) == seen.usage.prompt_tokens
     assert message.content[0].text == seen.choices[0].message.content  # type: ignore[union-attr]
@@ -208,6 +215,7 @@ def test_streamed_layers_give_the_resident_tokens(
     for name, model, flags in (
         ("resident", vlm_dir, ()),
         ("streamed", prepared, ("--residency", "fixed", "--resident-layers", "0")),
+        ("kv_bits", vlm_dir, ("--kv-bits", "8", "--kv-group-size", "32")),  # alone == batched
     ):
         (workdir / name).mkdir()
         running = start_server(model, workdir / name, "--max-batch", "4", *flags)
@@ -221,6 +229,8 @@ def test_streamed_layers_give_the_resident_tokens(
     alone, text, image_batched, text_batched = results["resident"]
     assert image_batched == alone and text_batched == text
     assert results["streamed"] == results["resident"]
+    alone, text, image_batched, text_batched = results["kv_bits"]
+    assert image_batched == alone and text_batched == text
 
 
 # -- bad input ------------------------------------------------------------------------

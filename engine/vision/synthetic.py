@@ -23,8 +23,8 @@ GEMMA3_IMAGE_TOKENS = ("<start_of_image>", "<image_soft_token>", "<end_of_image>
 
 
 def make_gemma3_vlm(out: str | Path, *, seed: int = 0, image_size: int = 56) -> Path:
-    """A Gemma 3 vision-language model: 4 text layers, a 2-layer SigLIP tower on
-    `image_size` pixels in 14-pixel patches, 4 tokens per image."""
+    """A Gemma 3 vision-language model: 4 text layers (heads of 32), a 2-layer SigLIP
+    tower on `image_size` pixels in 14-pixel patches, 4 tokens per image."""
     from mlx_vlm.models import gemma3
 
     out = Path(out)
@@ -33,6 +33,8 @@ def make_gemma3_vlm(out: str | Path, *, seed: int = 0, image_size: int = 56) -> 
     with open(out / "tokenizer.json") as f:
         ids = {t["content"]: t["id"] for t in json.load(f)["added_tokens"]}
     text = {**ARCHITECTURES["gemma3_text"], "vocab_size": vocab, "mm_tokens_per_image": 4}
+    # Heads of 32: the smallest kv_bits group (MLX quantizes in groups of 32, 64, 128).
+    text.update(head_dim=32, query_pre_attn_scalar=32)
     vision = {
         "model_type": "siglip_vision_model",
         "num_hidden_layers": 2,

@@ -156,8 +156,12 @@ def system_text(system: str | list[TextBlock] | None) -> str | None:
     return "\n".join(block.text for block in system)
 
 
-def template_messages(body: ConversationFields, images: ImageParts) -> list[dict[str, Any]]:
-    """The conversation in the shape chat templates read."""
+def template_messages(
+    body: ConversationFields, images: ImageParts | None = None
+) -> list[dict[str, Any]]:
+    """The conversation in the shape chat templates read (`images`: the model's; none:
+    a text-only model's)."""
+    images = images or ImageParts(None)
     if body.messages[-1].role == "assistant":
         # Anthropic continues a final assistant message (a "prefill"); the chat
         # pipeline always opens a new assistant turn, so it would answer anew instead.
