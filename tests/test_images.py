@@ -27,7 +27,7 @@ import httpx
 import openai
 import pytest
 
-from .conftest import NO_EOS, Server, metric, start_server, stop_server
+from .conftest import NO_EOS, Server, _clean_env, free_port, metric, start_server, stop_server
 
 pytest.importorskip("mlx_vlm", reason="the vision extra: pip install 'flashserve[vision]'")
 np = pytest.importorskip("numpy")
@@ -263,6 +263,11 @@ def test_bad_images_are_400s_naming_the_part(server: Server) -> None:
     many = refused_openai(server, [text, *[image_part(png(9))] * 4])  # --max-images 3
     assert many["param"] == "messages.0.content.4.image_url.url"
     assert many["code"] == "too_many_images"
+    # The client's own text holding the model's image markup: the counts disagree.
+    markup = refused_openai(
+        server, [{"type": "text", "text": "<image_soft_token>"}, image_part(png(9))]
+    )
+    assert "image tokens do not match" in markup["message"]
     # Responses: the same refusals, named its way.
     parts = [{"type": "input_image", "image_url": "https://example.com/cat.png"}]
     with pytest.raises(openai.BadRequestError) as responses:
@@ -386,3 +391,21 @@ def test_images_encode_on_their_own_thread_while_the_batch_decodes(vlm_dir: Path
     assert len([e for e in seen if getattr(e, "token", None) is not None]) == 4
     ((started, ended),) = windows
     assert sum(started < t < ended for t in times) >= 5  # tokens while the tower ran
+
+
+def test_a_vision_model_without_the_extra_names_the_install_command(
+    vlm_dir: Path, tmp_path: Path
+) -> None:
+    """mlx-vlm missing (a module that fails to import stands in for it): the model does
+    not load, and the one line `serve` exits with says how to add it."""
+    stub = tmp_path / "stub"
+    stub.mkdir()
+    (stub / "mlx_vlm.py").write_text('raise ImportError("No module named mlx_vlm")\n')
+    env = {**_clean_env(), "PYTHONPATH": str(stub)}
+    cmd = [sys.executable, "-m", "flashserve.server.cli", "serve", "--model", str(vlm_dir)]
+    cmd += ["--port", str(free_port()), "--prompt-cache-dir", str(tmp_path / "pc")]
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, timeout=120)
+    stderr = done.stderr.decode(errors="replace")
+    assert done.returncode == 2, stderr
+    last = stderr.strip().splitlines()[-1]
+    assert "pip install 'flashserve[vision]'" in last, last
