@@ -108,6 +108,12 @@ def test_the_image_reaches_the_model(server: Server) -> None:
     assert first.choices[0].message.content != text.choices[0].message.content
     # The image's tokens are the prompt's: 4 placeholders and their markup.
     assert first.usage.prompt_tokens > text.usage.prompt_tokens + TOKENS_PER_IMAGE
+    # Two images in one message reach the model in their order.
+    ab = chat(server, [QUESTION, image_part(png(1)), image_part(png(2))])
+    ba = chat(server, [QUESTION, image_part(png(2)), image_part(png(1))])
+    assert ab.usage.prompt_tokens == ba.usage.prompt_tokens
+    assert ab.usage.prompt_tokens > first.usage.prompt_tokens + TOKENS_PER_IMAGE
+    assert ab.choices[0].message.content != ba.choices[0].message.content
     # n choices share one prefill with the image: greedy, each is the same answer.
     both = chat(server, ask_about(png(1)), n=2)
     assert [c.message.content for c in both.choices] == [first.choices[0].message.content] * 2
