@@ -415,3 +415,36 @@ def test_a_vision_model_without_the_extra_names_the_install_command(
     assert done.returncode == 2, stderr
     last = stderr.strip().splitlines()[-1]
     assert "pip install 'flashserve[vision]'" in last, last
+
+
+def test_an_image_state_on_disk_serves_the_next_turn_after_a_restart(
+    vlm_dir: Path, tmp_path: Path
+) -> None:
+    """The SSD tier keeps the image's hash in its token keys: after a restart the
+    next turn with the same image is restored from disk and not encoded again."""
+    image = png(14)
+    args = ("--prompt-cache-bytes", "64000000", "--prompt-cache-dir", str(tmp_path / "pc"))
+    running = start_server(vlm_dir, tmp_path, *args)
+    try:
+        first = chat(running, ask_about(image))
+        running.wait_idle(30)
+    finally:
+        stop_server(running)
+    history = (
+        {"role": "user", "content": ask_about(image)},
+        {"role": "assistant", "content": first.choices[0].message.content},
+    )
+    running = start_server(vlm_dir, tmp_path, *args)
+    try:
+        again = chat(running, "And its colours?", history)
+        assert again.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
+        assert encoded(running) == 0
+        other = (
+            {"role": "user", "content": ask_about(png(15))},
+            {"role": "assistant", "content": first.choices[0].message.content},
+        )
+        fresh = chat(running, "And its colours?", other)
+        assert fresh.usage.prompt_tokens_details.cached_tokens < first.usage.prompt_tokens
+        assert encoded(running) == 1
+    finally:
+        stop_server(running)
