@@ -391,12 +391,15 @@ def test_images_encode_on_their_own_thread_while_the_batch_decodes(vlm_dir: Path
             return seen
 
         seen = asyncio.run(go())
+        parts = engine.stats.ttft.total  # summed over both requests: the image's alone
     finally:
         engine.shutdown()
     assert threads == ["flashserve-vision_0"]
     assert len([e for e in seen if getattr(e, "token", None) is not None]) == 4
     ((started, ended),) = windows
     assert sum(started < t < ended for t in times) >= 5  # tokens while the tower ran
+    # Its time to first token says where the second went.
+    assert parts.image_encode_s >= 1.0 > parts.prefill_s
 
 
 def test_a_vision_model_without_the_extra_names_the_install_command(

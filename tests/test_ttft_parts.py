@@ -19,7 +19,7 @@ import pytest
 
 from .conftest import NO_EOS, Server, metric, start_server, stop_server
 
-PARTS = ("queue_wait_s", "cache_lookup_s", "prefill_s", "first_step_s")
+PARTS = ("queue_wait_s", "cache_lookup_s", "image_encode_s", "prefill_s", "first_step_s")
 
 
 @pytest.fixture(scope="module")

@@ -93,10 +93,12 @@ class Choice:
         if self.first_token_at is None or handle.taken_at is None:
             return None
         prefilled = self.prefilled_at or self.first_token_at
+        encoded = handle.encoded_at or self.started
         return TtftParts(
             queue_wait_s=handle.taken_at - handle.submitted_at,
             cache_lookup_s=self.started - handle.taken_at,
-            prefill_s=prefilled - self.started,
+            image_encode_s=encoded - self.started,
+            prefill_s=prefilled - encoded,
             first_step_s=self.first_token_at - prefilled,
         )
 

@@ -162,6 +162,8 @@ class RequestHandle:
         # Time to first token in parts (perf_counter): submitted here, taken by the worker.
         self.submitted_at = time.perf_counter()
         self.taken_at: float | None = None
+        # Its images encoded (vision/embed.py ImageEncodes took it back): a TTFT part.
+        self.encoded_at: float | None = None
         # Prompt tokens the prompt cache gave, once the worker has looked the prompt
         # up (None before): a dialect that reports usage up front waits for it.
         self.cached_tokens: int | None = None

@@ -17,6 +17,8 @@ class TtftParts:
 
     queue_wait: submitted until the worker took it; cache_lookup: its prompt
     looked up in the prompt cache (and a hit restored), processors built;
+    image_encode: its images through the vision tower on their own thread (0
+    without images, or when the prompt cache covered them);
     prefill: the prompt's uncached tokens run, until the logits of its last one;
     first_step: from there to the first token out (sampling, the first decode
     step of the batch it joined).
@@ -24,12 +26,13 @@ class TtftParts:
 
     queue_wait_s: float = 0.0
     cache_lookup_s: float = 0.0
+    image_encode_s: float = 0.0
     prefill_s: float = 0.0
     first_step_s: float = 0.0
 
     @property
     def total_s(self) -> float:
-        return self.queue_wait_s + self.cache_lookup_s + self.prefill_s + self.first_step_s
+        return sum(astuple(self))
 
 
 @dataclass

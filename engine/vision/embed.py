@@ -12,6 +12,7 @@ covers never is.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
@@ -108,6 +109,9 @@ class ImageEncodes:
             futures_wait([s.encoded for s in self._parked])
         done = [s for s in self._parked if s.encoded.done()]
         self._parked = [s for s in self._parked if not s.encoded.done()]
+        now = time.perf_counter()
+        for start in done:  # the TTFT's image_encode part ends here
+            start.handle.encoded_at = now
         return done + new
 
     def _needed(self, start: Any) -> list[Image]:

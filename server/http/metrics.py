@@ -197,7 +197,7 @@ class EngineCollector(Collector):
             yield _batch_size_histogram(steps, stats.get("batch_size_sum", 0))
 
 
-TTFT_PARTS = ("queue_wait_s", "cache_lookup_s", "prefill_s", "first_step_s")
+TTFT_PARTS = ("queue_wait_s", "cache_lookup_s", "image_encode_s", "prefill_s", "first_step_s")
 
 
 def _vision_metrics(vision: Any) -> Iterator[Metric]:
