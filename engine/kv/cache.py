@@ -23,7 +23,7 @@ core (csrc/step_sdpa_quant.cpp). Dequantizing the whole cache each step and
 running the float kernel had made decode 0.38x (8 bits) / 0.29x (4 bits) of
 a float cache; the times are in docs/guides/kv-cache-quantization.md. Its
 numbers differ from the dequantized path's by float32 rounding (sums grouped
-differently; tests/test_sdpa_quant.py bounds it), and like the float kernel
+differently; the kernel's tests bound it), and like the float kernel
 a row's result depends neither on left padding nor on batch neighbours.
 
 Everywhere else (prompt chunks, other devices, the fast path off) `_attention`
