@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from .conftest import REPO, _clean_env
 
 TIMEOUT_S = 90
@@ -362,3 +364,21 @@ def test_quick_models_section_prints_loads_and_the_contention_ratio(tmp_path: Pa
     slack = 0.005 * (1 + during / alone) / alone + 0.005
     assert abs(_number(row["ratio"]) - during / alone) <= slack, row
     assert row["met"] == ("yes" if _number(row["ratio"]) <= 1.5 else "no"), row
+
+
+def test_quick_images_section_prints_the_encode_and_both_ttfts(tmp_path: Path) -> None:
+    """The images section: one image's encode time, and the TTFT of a prompt with it
+    cold and as the next turn, which the prompt cache serves without the tower."""
+    pytest.importorskip("mlx_vlm", reason="the vision extra")
+    cmd = [sys.executable, "-m", "flashserve.server.cli", "bench", "--", "--quick"]
+    cmd += ["--sections", "images", "--work-dir", str(tmp_path)]
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=_clean_env(), capture_output=True, text=True, timeout=TIMEOUT_S
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (rows,) = [rows for t, rows in _tables(proc.stdout).items() if t.startswith("Images:")]
+    cold, first, following = rows
+    assert [r["turn"] for r in rows] == ["cold", "first turn", "next turn"]
+    assert _number(cold["cached tokens"]) == 0 and _number(cold["TTFT s"]) > 0
+    # The next turn resends the first (its image in it): the prompt cache holds it.
+    assert _number(following["cached tokens"]) >= _number(first["prompt tokens"])

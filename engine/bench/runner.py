@@ -55,6 +55,7 @@ from flashserve.engine.bench import (
     speculative,
 )
 from flashserve.engine.bench.common import DEFAULT_WORK_DIR
+from flashserve.engine.bench.images import section as images_section
 from flashserve.engine.compute import blas
 
 
@@ -68,8 +69,8 @@ def main(argv: list[str] | None = None) -> int:
         "--sections",
         default="layers,experts,batch,prefill,prompt-cache,io,distributed,decode,models,agent-turn",
         help="comma list of: layers, experts, batch, prefill, prompt-cache, io, distributed, "
-        "decode, models, agent-turn, cap (Linux, root: a model larger than a cgroup's "
-        "memory limit)",
+        "decode, models, agent-turn, images (the vision extra), cap (Linux, root: a model "
+        "larger than a cgroup's memory limit)",
     )
     parser.add_argument(
         "--work-dir",
@@ -141,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
                 llama_server=args.llama_server,
                 quick=args.quick,
             )
+        elif section == "images":  # not in the default list: needs the vision extra
+            results[section] = images_section.run(args.work_dir, quick=args.quick)
         elif section == "speculative":  # not in the default list: minutes on a CPU
             results[section] = speculative.run(args.work_dir, quick=args.quick)
         elif section == "agent-turn":

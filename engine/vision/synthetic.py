@@ -22,9 +22,18 @@ log = logging.getLogger(__name__)
 GEMMA3_IMAGE_TOKENS = ("<start_of_image>", "<image_soft_token>", "<end_of_image>")
 
 
-def make_gemma3_vlm(out: str | Path, *, seed: int = 0, image_size: int = 56) -> Path:
+def make_gemma3_vlm(
+    out: str | Path,
+    *,
+    seed: int = 0,
+    image_size: int = 56,
+    tokens_per_image: int = 4,
+    text: dict | None = None,
+    vision: dict | None = None,
+) -> Path:
     """A Gemma 3 vision-language model: 4 text layers (heads of 32), a 2-layer SigLIP
-    tower on `image_size` pixels in 14-pixel patches, 4 tokens per image."""
+    tower on `image_size` pixels in 14-pixel patches, 4 tokens per image; `text` and
+    `vision` change their configs (the benchmark's larger model)."""
     from mlx_vlm.models import gemma3
 
     out = Path(out)
@@ -32,9 +41,11 @@ def make_gemma3_vlm(out: str | Path, *, seed: int = 0, image_size: int = 56) -> 
     vocab = build_tokenizer(out, extra_special_tokens=GEMMA3_IMAGE_TOKENS)
     with open(out / "tokenizer.json") as f:
         ids = {t["content"]: t["id"] for t in json.load(f)["added_tokens"]}
-    text = {**ARCHITECTURES["gemma3_text"], "vocab_size": vocab, "mm_tokens_per_image": 4}
+    overrides = text or {}
+    text = {**ARCHITECTURES["gemma3_text"], "vocab_size": vocab}
     # Heads of 32: the smallest kv_bits group (MLX quantizes in groups of 32, 64, 128).
-    text.update(head_dim=32, query_pre_attn_scalar=32)
+    text.update(head_dim=32, query_pre_attn_scalar=32, mm_tokens_per_image=tokens_per_image)
+    text.update(overrides)
     vision = {
         "model_type": "siglip_vision_model",
         "num_hidden_layers": 2,
@@ -43,6 +54,7 @@ def make_gemma3_vlm(out: str | Path, *, seed: int = 0, image_size: int = 56) -> 
         "num_attention_heads": 2,
         "patch_size": 14,
         "image_size": image_size,
+        **(vision or {}),
     }
     boi, image, eoi = (ids[t] for t in GEMMA3_IMAGE_TOKENS)
     config = {
@@ -54,7 +66,7 @@ def make_gemma3_vlm(out: str | Path, *, seed: int = 0, image_size: int = 56) -> 
         "image_token_index": image,
         "boi_token_index": boi,
         "eoi_token_index": eoi,
-        "mm_tokens_per_image": 4,
+        "mm_tokens_per_image": tokens_per_image,
         "eos_token_id": ids["<|im_end|>"],
     }
     model_config = gemma3.ModelConfig.from_dict(config)
