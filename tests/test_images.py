@@ -451,3 +451,61 @@ def test_an_image_state_on_disk_serves_the_next_turn_after_a_restart(
         assert encoded(running) == 1
     finally:
         stop_server(running)
+
+
+def test_an_image_that_fails_to_encode_fails_its_request_alone(vlm_dir: Path) -> None:
+    """The tower raising for one image: that request gets its error, a text request
+    beside it its answer, and the worker serves the next image."""
+    from flashserve.engine.config import EngineConfig
+    from flashserve.engine.generation.requests import (
+        ErrorEvent,
+        GenerationRequest,
+        SamplingParams,
+        TokenEvent,
+    )
+    from flashserve.engine.generation.worker import Engine
+    from flashserve.engine.vision.images import decode_image
+    from flashserve.engine.vision.prompt import SENTINEL
+
+    engine = Engine(EngineConfig(model=str(vlm_dir), max_batch=4))
+    engine.start()
+    assert engine.wait_ready(120), engine.load_error
+    try:
+        loaded = engine.loaded
+        assert loaded is not None
+        vision, tokenizer = loaded.vision, loaded.tokenizer
+        bad, good = decode_image(png(16), 1 << 20), decode_image(png(17), 1 << 20)
+        encode = vision.features
+
+        def failing(image: Any) -> Any:
+            if image.digest == bad.digest:
+                raise ValueError("the tower cannot take this image")
+            return encode(image)
+
+        vision.features = failing
+
+        def marked(image: Any) -> list[int]:
+            images = vision.prompt([image])
+            chat = [{"role": "user", "content": f"Look: {SENTINEL}"}]
+            text = images.expand(tokenizer.apply_chat_template(chat, tokenize=False))
+            return images.mark(tokenizer.encode(text, add_special_tokens=False))
+
+        greedy = SamplingParams(temperature=0)
+        story = tokenizer.apply_chat_template([{"role": "user", "content": "A story."}])
+
+        async def collect(request: GenerationRequest) -> list[Any]:
+            return [event async for event in engine.submit(request)]
+
+        async def go() -> list[list[Any]]:
+            return await asyncio.gather(
+                collect(GenerationRequest(marked(bad), 4, greedy, images=[bad])),
+                collect(GenerationRequest(story, 4, greedy)),
+            )
+
+        failed, text = asyncio.run(go())
+        after = asyncio.run(collect(GenerationRequest(marked(good), 4, greedy, images=[good])))
+    finally:
+        engine.shutdown()
+    assert isinstance(failed[-1], ErrorEvent) and "cannot take" in failed[-1].message
+    assert sum(isinstance(e, TokenEvent) for e in text) == 4
+    assert sum(isinstance(e, TokenEvent) for e in after) == 4

@@ -98,7 +98,7 @@ class Engine:
         self._held: RequestHandle | None = None  # next in line, waiting for KV room
         self.mirror: Mirror | None = None  # the model is split across ranks: rank 0's side
         self.stats = WorkerStats()
-        self.encodes = ImageEncodes(lambda: self.loaded)  # images, on the vision thread
+        self.encodes = ImageEncodes(lambda: self.loaded, self._refuse)  # the vision thread
         self.speculation = Speculation(
             SpeculativeConfig(
                 config.speculative, config.speculative_max_draft, config.speculative_draft_model

@@ -12,6 +12,7 @@ covers never is.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -23,6 +24,8 @@ import mlx.core as mx
 from flashserve.engine.vision.images import Image
 from flashserve.engine.vision.prompt import VIRTUAL_BASE, real_tokens, virtual_id
 from flashserve.engine.vision.tower import VisionModel
+
+log = logging.getLogger(__name__)
 
 Embed = Callable[[int, Sequence[int]], mx.array]
 
@@ -86,8 +89,9 @@ class ImageEncodes:
     nothing to overlap: `ready(..., wait=True)` waits for them.
     """
 
-    def __init__(self, loaded: Callable[[], Any]):
+    def __init__(self, loaded: Callable[[], Any], refuse: Callable[[Any, BaseException], None]):
         self._loaded = loaded  # the worker's LoadedModel, once loaded
+        self._refuse = refuse  # the worker's: a request's error event (its images failed)
         self._pool: ThreadPoolExecutor | None = None
         self._parked: list[Any] = []  # the worker's Starts, in arrival order
 
@@ -99,7 +103,11 @@ class ImageEncodes:
         """Of the parked and the new `starts`, those to prefill now, in arrival order."""
         new = []
         for start in starts:
-            needed = self._needed(start)
+            try:
+                needed = self._needed(start)
+            except Exception as exc:  # fails its request alone
+                self._refuse(start.handle, exc)
+                continue
             if needed:
                 start.encoded = self._submit(needed)
                 self._parked.append(start)
@@ -112,7 +120,11 @@ class ImageEncodes:
         now = time.perf_counter()
         for start in done:  # the TTFT's image_encode part ends here
             start.handle.encoded_at = now
-        return done + new
+            if (exc := start.encoded.exception()) is not None:
+                request_id = start.handle.request.request_id
+                log.error("request %s: its images failed to encode: %s", request_id, exc)
+                self._refuse(start.handle, exc)  # it alone: the others prefill on
+        return [s for s in done if s.encoded.exception() is None] + new
 
     def _needed(self, start: Any) -> list[Image]:
         """The start's images that reach past its cached prefix (start.reused)."""
