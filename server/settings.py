@@ -216,12 +216,6 @@ class Settings(BaseSettings):
         "reuses prompt + answer) | keep (also the reasoning a client passes back)",
     )
 
-    # Production
-    api_key: str | None = None
-    api_key_file: str | None = None
-    allowed_origins: Annotated[list[str], NoDecode] = Field(default_factory=list)
-    max_body_bytes: int = Field(4_000_000, ge=1024)
-    request_timeout: float = Field(600.0, gt=0, description="seconds per request")
     # Images (vision-language models)
     max_images: int = Field(8, ge=1, le=256, description="images per request, at most")
     max_image_pixels: int = Field(
@@ -230,6 +224,12 @@ class Settings(BaseSettings):
         description="pixels per image; a larger image is downscaled to fit (aspect kept)",
     )
 
+    # Production
+    api_key: str | None = None
+    api_key_file: str | None = None
+    allowed_origins: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    max_body_bytes: int = Field(4_000_000, ge=1024)
+    request_timeout: float = Field(600.0, gt=0, description="seconds per request")
     stream_keepalive: float = Field(
         5.0,
         ge=0,
