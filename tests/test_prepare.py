@@ -197,7 +197,10 @@ def test_requantize_mixed_widths(tmp_path_factory, tmp_path):
     assert streamed.shape == (1, 5, config["vocab_size"])
     assert bool(mx.all(mx.isfinite(streamed)))
     assert mx.array_equal(streamed, resident)
-    assert mx.allclose(model(tokens), resident, atol=1e-5)
+    # Plain mlx-lm computes prompts in float: so does prompt_matmul = "float" (the
+    # default int16 rows differ from it by rounding: compute/prompt_matmul.py).
+    floats = load(EngineConfig(model=str(out), prompt_matmul="float")).model(tokens)
+    assert mx.allclose(model(tokens), floats, atol=1e-5)
 
 
 def test_prepare_gguf_writes_tokenizer(tmp_path_factory):
