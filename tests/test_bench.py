@@ -379,6 +379,7 @@ def test_quick_images_section_prints_the_encode_and_both_ttfts(tmp_path: Path) -
     (rows,) = [rows for t, rows in _tables(proc.stdout).items() if t.startswith("Images:")]
     cold, first, following = rows
     assert [r["turn"] for r in rows] == ["cold", "first turn", "next turn"]
-    assert _number(cold["cached tokens"]) == 0 and _number(cold["TTFT s"]) > 0
+    # The quick model answers in milliseconds: its times print as 0.00 or 0.01 (2 decimals).
+    assert _number(cold["cached tokens"]) == 0 and _number(cold["TTFT s"]) >= 0
     # The next turn resends the first (its image in it): the prompt cache holds it.
     assert _number(following["cached tokens"]) >= _number(first["prompt tokens"])
