@@ -221,6 +221,26 @@ def test_a_cgroup_that_holds_one_model_swaps_them(mid_models: Path, tmp_path: Pa
             loaded = [n for n, c in _states(http).items() if c["state"] == "loaded"]
             assert loaded == [model], loaded
         assert all(len(set(t)) == 1 for t in texts.values()), texts
+        # While the loaded model serves a request, the other cannot have its room: a 503
+        # to retry (loading it anyway would have the group OOM-kill the server).
+        decoding, done = threading.Event(), threading.Event()
+
+        def decode() -> None:
+            body = {"model": "mid-qwen3", "prompt": "Once upon a time", "max_tokens": 200}
+            body |= {"temperature": 0, "logit_bias": NO_EOS, "stream": True}
+            with server.http(timeout=300).stream("POST", "/v1/completions", json=body) as r:
+                for _ in r.iter_lines():
+                    decoding.set()
+            done.set()
+
+        threading.Thread(target=decode, daemon=True).start()
+        assert decoding.wait(60)
+        busy = _complete(http, "mid-llama", 8)
+        assert not done.is_set(), "the decode ended before the other model was asked for"
+        assert busy.status_code == 503 and busy.headers.get("retry-after"), busy.text
+        assert "mid-qwen3" in busy.json()["error"]["message"]
+        assert done.wait(120)
+        assert _text(_complete(http, "mid-llama", 8)) == texts["mid-llama"][0]
         assert server.process is not None and server.process.poll() is None
         oom = (group / "memory.oom_control").read_text()
         assert "oom_kill 0" in oom or "oom_kill" not in oom, oom

@@ -245,6 +245,14 @@ class ModelPool:
                 f"model {slot.entry.name} does not fit: it needs about {need / 1e6:.0f} MB, "
                 f"and the memory limit is {total / 1e6:.0f} MB"
             )
+        busy = [s.entry.name for s in loaded if s.busy and not s.entry.pinned]
+        if not adapts(slot.entry) and busy:  # it fits alone: once they are idle it can load
+            raise ModelUnavailableError(
+                f"model {slot.entry.name} needs about {need / 1e6:.0f} MB and "
+                f"{available / 1e6:.0f} MB are available while {', '.join(busy)} serve "
+                "requests; retry later",
+                transient=True,
+            )
         log.warning(
             "model %s needs about %.0f MB and %.0f MB are available: loading it anyway%s",
             slot.entry.name,
