@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 GGUF_GROWTH = 1.15
 RUNTIME_BYTES = 128 * 1024 * 1024
 IDLE_CHECK_S = 1.0
+RELEASE_WAIT_S = 5.0  # an unloaded model's memory, waited for (see unload)
 
 
 class UnknownModelError(LookupError):
@@ -245,13 +246,13 @@ class ModelPool:
                 f"model {slot.entry.name} does not fit: it needs about {need / 1e6:.0f} MB, "
                 f"and the memory limit is {total / 1e6:.0f} MB"
             )
-        busy = [s.entry.name for s in loaded if s.busy and not s.entry.pinned]
-        if not adapts(slot.entry) and busy:  # it fits alone: once they are idle it can load
+        if not adapts(slot.entry) and loaded:  # beside them it would exhaust memory
+            names = ", ".join(s.entry.name for s in loaded)
             raise ModelUnavailableError(
                 f"model {slot.entry.name} needs about {need / 1e6:.0f} MB and "
-                f"{available / 1e6:.0f} MB are available while {', '.join(busy)} serve "
-                "requests; retry later",
-                transient=True,
+                f"{available / 1e6:.0f} MB are available beside {names} (busy or pinned); "
+                "retry later",
+                transient=any(s.busy for s in loaded),
             )
         log.warning(
             "model %s needs about %.0f MB and %.0f MB are available: loading it anyway%s",
@@ -271,6 +272,15 @@ class ModelPool:
         before = process_private()
         await asyncio.to_thread(_release, engine)
         del engine
+        # A stream that just ended may still hold the model (its response's generator
+        # is finalized a moment after the client read the last event): wait for it.
+        deadline = time.monotonic() + RELEASE_WAIT_S
+        while before - process_private() < slot.resident_bytes / 2:
+            if time.monotonic() > deadline:
+                log.warning("model %s: its memory was not given back yet", name)
+                break
+            await asyncio.sleep(0.1)
+            await asyncio.to_thread(_collect)
         freed = max(0, before - process_private())
         self.unloads += 1
         log.info("model %s unloaded (%s): %.0f MB freed", name, why, freed / 1e6)
@@ -332,6 +342,10 @@ class ModelPool:
 def _release(engine: Engine) -> None:
     """Stop the worker, drop what it held, and give the memory back to the system."""
     engine.shutdown(release=True)
+    _collect()
+
+
+def _collect() -> None:
     gc.collect()
     mx.clear_cache()
     heap.trim(always=True)
