@@ -33,7 +33,7 @@ from flashserve.engine.compute import heap
 from flashserve.engine.generation import fairness
 from flashserve.engine.generation.worker import Engine
 from flashserve.engine.models.catalog import ModelEntry
-from flashserve.engine.streaming.memory import process_private, system_memory
+from flashserve.engine.streaming.memory import memory_report, process_private, system_memory
 
 log = logging.getLogger(__name__)
 
@@ -70,11 +70,20 @@ class Slot:
     leases: int = 0  # routes holding it between resolving and submitting
     last_used: float = 0.0  # monotonic
     resident_bytes: int = 0  # private memory its load added (measured)
+    weight_bytes: int = 0  # its resident weights (a small model's load may reuse freed heap)
     load_s: float = 0.0  # the last load's time
 
     @property
     def busy(self) -> bool:
         return self.leases > 0 or (self.engine is not None and not self.engine.idle)
+
+
+def _weight_bytes(engine: Engine) -> int:
+    """The loaded model's resident weights (reads sizes only: safe off the worker)."""
+    loaded = getattr(engine, "loaded", None)
+    if loaded is None:
+        return 0
+    return int(memory_report(loaded).resident_weight_bytes)
 
 
 def need_bytes(entry: ModelEntry) -> int:
@@ -210,6 +219,7 @@ class ModelPool:
                 raise ModelUnavailableError(f"model {slot.entry.name} failed to load: {slot.error}")
             slot.state = "loaded"
             slot.resident_bytes = max(0, process_private() - before)
+            slot.weight_bytes = _weight_bytes(engine)
             self.loads += 1
             log.info(
                 "model %s loaded in %.1f s (%.0f MB private)",
@@ -331,7 +341,9 @@ class ModelPool:
                     "aliases": list(slot.entry.aliases),
                     "pinned": slot.entry.pinned,
                     "size_bytes": slot.entry.disk_bytes,
-                    "memory_bytes": slot.resident_bytes if state == "loaded" else None,
+                    "memory_bytes": (
+                        max(slot.resident_bytes, slot.weight_bytes) if state == "loaded" else None
+                    ),
                     "load_seconds": round(slot.load_s, 3) if slot.load_s else None,
                     "error": slot.error,
                 }

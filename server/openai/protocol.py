@@ -551,7 +551,8 @@ class ModelCard(BaseModel):
     context_length: int | None = None
     model_context_length: int | None = None
     # Several models (--models-dir): whether it is in memory now, its other names,
-    # its files' size, and what loading it added to the process's private memory.
+    # its files' size, and what loading it added to the process's private memory (at
+    # least its resident weights).
     state: Literal["loaded", "loading", "not loaded", "failed"] = "loaded"
     aliases: list[str] = []
     size_bytes: int | None = None
