@@ -45,7 +45,8 @@ class EngineConfig:
     # where they run, engine/compute/qmm.py, step_ops.py) | fast (required) |
     # mlx (MLX's kernel and ops).
     quantized_matmul: str = "auto"
-    # CPU prompt chunks through 4- and 8-bit linears: int16 | int8 (rows rounded
+    # CPU prompt chunks through 4- and 8-bit linears and an offloaded MoE's expert
+    # rows (experts/prompt_gemm.py): int16 | int8 (rows rounded
     # to that many bits per block of 32, integer dot products:
     # compute/prompt_matmul.py) | float (dequantize + BLAS, or the few-row kernel).
     prompt_matmul: str = "int16"

@@ -168,7 +168,8 @@ class Settings(BaseSettings):
     )
     prompt_matmul: Literal["int16", "int8", "float"] = Field(
         "int16",
-        description="CPU: prompt chunks through 4- and 8-bit linears; int16 / int8 = rows "
+        description="CPU: prompt chunks through 4- and 8-bit linears (an offloaded MoE's "
+        "expert rows included); int16 / int8 = rows "
         "rounded to that many bits per block of 32, integer dot products on every core "
         "(accuracy against float: docs/benchmarks/agent-turns.md); float = dequantize + BLAS",
     )

@@ -1,11 +1,13 @@
 """`flashserve bench --sections cap --quick`: the quick MoE (or dense) GGUF written and
-prepared, flashserve run in a real cgroup v1 group with --expert-cache auto (or
---residency auto), its rows and its targets printed (Linux, root)."""
+prepared, flashserve run in a real cgroup v1 group with --expert-cache auto (twice:
+as served and with --prompt-matmul float; or --residency auto), its rows and its
+targets printed (Linux, root)."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -35,8 +37,12 @@ def test_quick_cap_section_serves_in_a_cgroup_and_prints_its_row(tmp_path: Path)
     tables = _tables(proc.stdout)
     cap = [rows for title, rows in tables.items() if title.startswith("Cap: cap-moe-quick")]
     assert len(cap) == 1, proc.stdout
-    (row,) = cap[0]
+    # As served (int16 prompt rows), and with --prompt-matmul float beside it.
+    row, floats = cap[0]
     assert row["server"] == "flashserve" and row["OOM"] == "no", row
+    assert floats["server"] == "flashserve (float prompt)" and floats["OOM"] == "no", floats
+    assert _number(floats["TTFT s"]) > 0 and _number(floats["decode tok/s"]) > 0
+    assert re.search(r"^  round 1: TTFT int16 / float prompt: \d+\.\d\dx$", proc.stdout, re.M)
     assert _number(row["prompt tokens"]) >= 100
     assert _number(row["TTFT s"]) > 0 and _number(row["decode tok/s"]) > 0
     assert 0 < _number(row["private MB"]) <= _number(row["peak private MB"]) <= 400

@@ -9,7 +9,9 @@ which splits a matmul of 256K weights x rows or more over its thread pool
 are wide enough (hidden 256, experts of 128) that a 64-token chunk's
 per-expert matmuls cross that threshold, so they run split over the cores.
 Greedy output through the real server must be the fully resident model's at
-any chunking and expert cache size, and the same on one core.
+any chunking and expert cache size, and the same on one core. The prompts
+here are float (`prompt_matmul` "float"): on the integer GEMM the expert rows
+are rounded where the resident model's are not (test_expert_prompt_gemm.py).
 """
 
 from __future__ import annotations
@@ -83,7 +85,7 @@ def test_expert_major_prefill_on_every_core_matches_resident(tmp_path: Path, arc
     steps = ("64", "100") if arch == "qwen3_moe" else ("64",)
     caches = ("3", "12") if arch == "qwen3_moe" else ("3",)
     for step in steps:
-        chunks = ("--prefill-step-size", step)
+        chunks = ("--prefill-step-size", step, "--prompt-matmul", "float")
         expected = _outputs(prepared, tmp_path / f"resident-{step}", *chunks)
         assert all(len(text) > 0 for text, _ in expected.values())
         assert expected[0] != expected[1]
@@ -127,7 +129,7 @@ def test_every_expert_path_matches_resident(
 
     monkeypatch.setattr(prefill, "expert_streams", watched_streams)
     monkeypatch.setattr(prefill, "fused_glu", watched_fused)
-    resident = _engine(prepared)
+    resident = _engine(prepared, prompt_matmul="float")
     try:
         expected = _alone(resident, PROMPTS, TOKENS)
     finally:
@@ -137,7 +139,7 @@ def test_every_expert_path_matches_resident(
     for path in ("fused", "two at a time", "one at a time"):
         compute.set_fused_experts(path == "fused")
         compute.set_concurrent_experts(path == "two at a time")
-        engine = _engine(prepared, expert_cache="3")
+        engine = _engine(prepared, expert_cache="3", prompt_matmul="float")
         try:
             widths.clear()
             fused.clear()

@@ -42,7 +42,8 @@ top-5 next-token probabilities by up to 0.2, 16 bits by under 0.001, at
 half the integer rate, still far ahead of the float paths
 (docs/benchmarks/agent-turns.md). A row's numbers depend on that row alone, so
 chunking, caching and batching give the same tokens. "float" keeps the
-paths above.
+paths above. An offloaded MoE's prefill takes the setting for its expert
+rows too (experts/prompt_gemm.py; set_prompt_matmul reaches it).
 """
 
 from __future__ import annotations
@@ -110,6 +111,11 @@ def decode_rows(tokens: int) -> Iterator[None]:
         yield
     finally:
         _decode_rows.pop()
+
+
+def decode_limit() -> int:
+    """Tokens per sequence up to which a call runs as decode now (see decode_rows)."""
+    return _decode_rows[-1]
 
 
 class _Kept:
@@ -402,9 +408,9 @@ def use_blas_for_prompts(model: nn.Module, choice: str = "int16") -> int:
 
 
 def set_prompt_matmul(model: nn.Module, choice: str) -> None:
-    """The `prompt_matmul` setting for a model's prompt linears: "int16" or "int8" (the
-    integer GEMM where it runs, rows rounded to that many bits) or "float" (dequantize
-    + BLAS, or the few-row kernel)."""
+    """The `prompt_matmul` setting for a model's prompt linears and its offloaded experts'
+    prefill rows: "int16" or "int8" (the integer GEMM where it runs, rows rounded to
+    that many bits) or "float" (dequantize + BLAS, or the few-row kernel)."""
     if choice not in PROMPT_MATMUL_CHOICES:
         raise ValueError(
             f"prompt_matmul must be one of {list(PROMPT_MATMUL_CHOICES)}, not {choice!r}"
@@ -412,3 +418,6 @@ def set_prompt_matmul(model: nn.Module, choice: str) -> None:
     for _, module in model.named_modules():
         if isinstance(module, PromptQuantizedLinear):
             module._prompt_xbits = PROMPT_MATMUL_CHOICES[choice]
+        elif hasattr(type(module), "set_prompt_xbits"):
+            # An offloaded MoE's experts (experts/install.py): their prefill rows too.
+            module.set_prompt_xbits(PROMPT_MATMUL_CHOICES[choice])

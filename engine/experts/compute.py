@@ -178,7 +178,17 @@ def slot_sorts(k: int, parts: list[int]) -> np.ndarray | None:
     return np.repeat(np.array(each), parts)
 
 
-_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+def projection_names(info: OffloadLayer) -> dict[str, dict[str, str]]:
+    """Per projection of the template, its tensors' names in a record, by key."""
+    names: dict[str, dict[str, str]] = {}
+    for module, key, name in info.slots:
+        for proj in PROJECTIONS:
+            if module is getattr(info.template, proj, None):
+                names.setdefault(proj, {})[key] = name
+    return names
 
 
 def fused_glu(info: OffloadLayer, x2: mx.array) -> GluOp | None:
@@ -205,18 +215,14 @@ def fused_glu(info: OffloadLayer, x2: mx.array) -> GluOp | None:
         and switch_layers.swiglu is step_ops.swiglu  # the op's SwiGLU is the template's
     ):
         return None
-    names: dict[str, dict[str, str]] = {}
-    for module, key, name in info.slots:
-        for proj in _PROJECTIONS:
-            if module is getattr(template, proj, None):
-                names.setdefault(proj, {})[key] = name
-    modules = [getattr(template, proj, None) for proj in _PROJECTIONS]
+    names = projection_names(info)
+    modules = [getattr(template, proj, None) for proj in PROJECTIONS]
     if not all(
         isinstance(m, qmm.FastQuantizedSwitchLinear)
         and getattr(m, "mode", "affine") == "affine"
         and "bias" not in m
         and set(names.get(proj, {})) == {"weight", "scales", "biases"}
-        for proj, m in zip(_PROJECTIONS, modules, strict=True)
+        for proj, m in zip(PROJECTIONS, modules, strict=True)
     ):
         return None
     group_sizes = [m.group_size for m in modules]
@@ -225,7 +231,7 @@ def fused_glu(info: OffloadLayer, x2: mx.array) -> GluOp | None:
     def run(x: mx.array, rows: np.ndarray, tensors: dict[str, mx.array]) -> mx.array:
         parts = [
             [tensors[names[proj][key]] for key in ("weight", "scales", "biases")]
-            for proj in _PROJECTIONS
+            for proj in PROJECTIONS
         ]
         return ext.expert_glu(x, mx.array(rows.astype(np.uint32)), *parts, group_sizes, bits)
 

@@ -52,6 +52,11 @@ class OffloadedSwitchGLU(nn.Module):
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         return self._offload.run(self._layer, x, indices)
 
+    def set_prompt_xbits(self, xbits: int) -> None:
+        """The model's `prompt_matmul` setting (compute/prompt_matmul.set_prompt_matmul),
+        for the prefill's expert rows (experts/prompt_gemm.py); shared by every layer."""
+        self._offload.prompt_xbits = xbits
+
 
 # -- installation -----------------------------------------------------------------------
 

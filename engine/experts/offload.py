@@ -25,7 +25,9 @@ them. A call receives `(x, indices)` exactly like SwitchGLU.__call__ and:
 When one call needs more experts than the cache holds, the experts are
 processed in chunks that fit: each chunk is evaluated before the next chunk
 evicts it. No expert is ever skipped. A prefill call (sequences longer than
-one token) goes expert-major instead and never evicts (experts/prefill.py).
+one token) goes expert-major instead and never evicts (experts/prefill.py),
+its expert rows on the integer prompt GEMM under the model's `prompt_matmul`
+setting (experts/prompt_gemm.py; `prompt_xbits`, set with the model's linears).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ from flashserve.engine.experts.compute import (
 )
 from flashserve.engine.experts.prefetch import NextLayerPrefetch, Pending
 from flashserve.engine.experts.prefill import expert_major
+from flashserve.engine.experts.prompt_gemm import decode_tokens, integer_glu
 from flashserve.engine.experts.stats import (
     BLOCKED_SECONDS,
     BYTES_READ,
@@ -104,6 +107,7 @@ class ExpertOffload:
         self._last_tokens = 0
         self._closed = False
         self.stacked = False  # see the module doc
+        self.prompt_xbits = 0  # the prefill's expert rows: prompt_matmul's bits (0: float)
         total = sum(i.layout.num_experts for i in layers.values())
         total_bytes = sum(i.layout.num_experts * i.layout.record_bytes for i in layers.values())
         self.all_fit = cache.capacity.fits(total, total_bytes)
@@ -203,7 +207,12 @@ class ExpertOffload:
         k = indices.shape[-1]
         # Runs that the resident model sorts otherwise than the merged call (compute.SORT_SLOTS)
         token_sorts = slot_sorts(k, parts) if parts is not None else None
-        if info.slab is not None:
+        as_decode = decode_tokens(indices.shape[-2], parts)
+        x2 = x.reshape(-1, x.shape[-1])
+        # On the integer GEMM a slab layer's experts go expert-major too: a row then
+        # gets the same numbers whether its experts were read, cached or stacked.
+        integer = integer_glu(info, x2, self.prompt_xbits, as_decode) is not None
+        if info.slab is not None and not integer:
             if token_sorts is None:
                 out = self._run_slab(info, x, indices)
                 if parts is None:
@@ -223,7 +232,7 @@ class ExpertOffload:
         self.prefetcher.forget(layer)
         outs, positions = expert_major(
             info,
-            x.reshape(-1, x.shape[-1]),
+            x2,
             ids.reshape(-1, k),
             needed,
             cache=self.cache,
@@ -231,13 +240,15 @@ class ExpertOffload:
             stats=self.stats,
             window=self.prefill_window,
             token_sorts=token_sorts,
+            xbits=self.prompt_xbits if integer else 0,
+            as_decode=as_decode,
         )
         out: mx.array | list[mx.array] = (
             restore_order(outs, positions, ids.shape)
             if parts is None
             else restore_parts(outs, positions, ids.shape[-1], parts)
         )
-        if self.all_fit and self._layer_complete(info):
+        if self.all_fit and info.slab is None and self._layer_complete(info):
             self._make_slab(info)
         return out
 

@@ -18,6 +18,10 @@ every chunk of the prompts being prefilled) runs expert by expert instead:
 * where the template is mlx-lm's plain SwitchGLU on flashserve's kernel, an
   expert is one op (compute.fused_glu: its rows read in place, gate and up
   in one pass, each part on every core), on one stream;
+* under the `prompt_matmul` setting "int16" or "int8" an expert is instead
+  its gate and up projections as one call of the integer prompt GEMM, the
+  activation, and the down projection as another (prompt_gemm.py): a
+  decode-kernel row costs a decode step's, a GEMM row a small share of it;
 * otherwise, with two cores or more, experts run two at a time, each on its
   own MLX stream (compute.expert_streams): a landed read is paired with the
   next one if that has landed too, and cached experts alternate. Each
@@ -26,8 +30,9 @@ every chunk of the prompts being prefilled) runs expert by expert instead:
   (issue 46: the prefill's critical path was its stream thread).
 
 Memory: `window` records in flight plus the call's outputs (tokens x top-k
-rows). The arithmetic is the decode path's (experts/compute.py, one expert
-at a time), so the output is the same bit for bit.
+rows). In float the arithmetic is the decode path's (experts/compute.py, one
+expert at a time), so the output is the same bit for bit; on the integer GEMM
+a row's numbers are its own, whatever else the call holds.
 
 Under the memory plan (streaming/memplan.py) the cache also lends a prefill
 the room its activations take: `hold_room` evicts experts before the prefill
@@ -48,6 +53,7 @@ import numpy as np
 from flashserve.engine.compute import heap
 from flashserve.engine.experts.cache import ExpertCache
 from flashserve.engine.experts.compute import OffloadLayer, expert_streams, fused_glu, per_expert
+from flashserve.engine.experts.prompt_gemm import integer_glu
 from flashserve.engine.experts.stats import (
     BLOCKED_SECONDS,
     BYTES_READ,
@@ -72,11 +78,15 @@ def expert_major(
     stats: ExpertStats,
     window: int,
     token_sorts: np.ndarray | None = None,
+    xbits: int = 0,
+    as_decode: np.ndarray | bool = False,
 ) -> tuple[list[mx.array], list[np.ndarray]]:
     """Run every needed expert of one prefill call once; see the module doc.
 
     `x2` is (tokens, hidden), `flat` the routing (tokens, top-k) on the host,
-    `token_sorts` compute.slot_sorts' for a call merged from several.
+    `token_sorts` compute.slot_sorts' for a call merged from several;
+    `xbits` the `prompt_matmul` setting's bits for the expert rows (0: float) and
+    `as_decode` the tokens that run as decode all the same (prompt_gemm.py).
     Returns the per-expert outputs and their token-slot positions
     (experts/compute.py: `restore_order` puts them back in order).
     """
@@ -108,6 +118,7 @@ def expert_major(
     # stream would only have two experts contend for the kernel's pool
     # (measured: 1.5 of 2 cores busy, against 1.9 on one stream).
     fused = fused_glu(info, x2)
+    fused = integer_glu(info, x2, xbits, as_decode, fused) or fused
     streams = [mx.default_stream(mx.default_device())] if fused else expert_streams()
     computing: deque[list[tuple[int, ReadResult, dict[str, mx.array], list[mx.array]]]] = deque()
 

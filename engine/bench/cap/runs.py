@@ -18,6 +18,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -192,7 +193,8 @@ def one_run(
     run = CapRun(server=spec.label, round=rnd, oom=False, cap_bytes=cap)
     run.disk_bytes_per_s = speed
     drop_page_cache(spec.model)
-    tag = f"{spec.label.split()[0]}-{rnd}-{cap or 0}"
+    # The label whole: two flashserve runs (bench/cap/section.py) need two folders.
+    tag = f"{re.sub(r'[^A-Za-z0-9]+', '-', spec.label).strip('-')}-{rnd}-{cap or 0}"
     group = make_group(cap, tag)
     port = free_port()
     workdir = workdir / tag

@@ -14,6 +14,10 @@ Two models, `--cap-model`:
   read per token and the disk's speed beside it give the I/O bound. The
   model's weights are symmetric and its embeddings of unit scale
   (weights/gguf/synthetic.py says why), so it routes by token, nearly uniformly.
+  flashserve runs twice: as served (prompt rows, the experts' included, on the
+  integer GEMM: `prompt_matmul` int16) and with `--prompt-matmul float` (the
+  experts' rows on the few-row kernel, as before issue 57), and the TTFT of
+  the two is printed as a ratio.
 * dense: a 1.2B-parameter dense qwen3 in Q4_0 (CAP_DENSE, 0.69 GB), under
   each of `--cap`'s limits, given as fractions of the prepared model's bytes
   (1.4x, 0.85x, 0.65x) or in bytes, and with no limit (flashserve's own
@@ -70,6 +74,7 @@ DEFAULT_CAPS = {"moe": "1.2GB", "dense": "1.4x,0.85x,0.65x"}
 WORD_BIAS = 30
 DECODE_DISK_BYTES = 256 << 20  # each disk measurement beside the measured decode (~0.2 s)
 LLAMA_CONTEXT = {"moe": 4096, "dense": 1024}  # llama-server -c: the conversation fits
+FLOAT_PROMPT = "flashserve (float prompt)"  # the MoE's run with --prompt-matmul float
 
 
 def cap_model(work_dir: Path, kind: str = "moe", quick: bool = False) -> tuple[Path, Path]:
@@ -152,6 +157,9 @@ def _specs(kind: str, gguf_path: Path, prepared: Path, llama: Path | None) -> li
         "--prompt-cache-dir", "WORKDIR/prompt-cache", "--stream-keepalive", "0",
     ]  # fmt: skip
     specs = [RunSpec("flashserve", ours, prepared, flashserve=True, free_decode=kind == "moe")]
+    if kind == "moe":
+        floats = [*ours, "--prompt-matmul", "float"]
+        specs.append(RunSpec(FLOAT_PROMPT, floats, prepared, flashserve=True, free_decode=True))
     if llama is not None:
         theirs = [
             str(llama), "-m", str(gguf_path), "--host", "127.0.0.1", "--port", "PORT",
@@ -312,7 +320,8 @@ def _cells(r: CapRun, model_bytes: int) -> list[object]:
 
 def _print_ratios(runs: list[CapRun], cap: int) -> None:
     ours = [r for r in runs if r.server == "flashserve" and r.ttft_s]
-    theirs = [r for r in runs if r.server != "flashserve" and r.ttft_s]
+    floats = [r for r in runs if r.server == FLOAT_PROMPT and r.ttft_s]
+    theirs = [r for r in runs if not r.server.startswith("flashserve") and r.ttft_s]
     print("Cap targets (one run)")
     for r in ours:
         head = f"  round {r.round}:"
@@ -326,6 +335,8 @@ def _print_ratios(runs: list[CapRun], cap: int) -> None:
             )
         if r.next_ttft_s:
             print(f"{head} next-turn TTFT / TTFT {r.next_ttft_s / r.ttft_s:.2f}x (target <= 0.3x)")
+    for a, f in zip(ours, floats, strict=False):
+        print(f"  round {a.round}: TTFT int16 / float prompt: {a.ttft_s / f.ttft_s:.2f}x")  # type: ignore[operator]
     for a, b in zip(ours, theirs, strict=False):
         head = f"  round {a.round}: flashserve / llama-server --no-repack"
         print(f"{head} TTFT {a.ttft_s / b.ttft_s:.2f}x (target <= 1.0x)")  # type: ignore[operator]
