@@ -307,6 +307,25 @@ def test_quick_agent_turn_section_prints_its_rows_and_bounds(tmp_path: Path) -> 
     dense_targets = proc.stdout.split("1.2B dense targets")[1]
     assert re.search(r"^  160 tokens, int16 / float: [0-9.]+x$", dense_targets, re.M)
     assert re.search(r"^  24 tokens / llama-server: not measured", dense_targets, re.M)
+    # Both models served over HTTP (bench/turns.py): the four turn measures, flashserve's
+    # numbers, llama-server's column empty without a binary and said so.
+    turns = {t: rows for t, rows in tables.items() if t.startswith("Turns over HTTP, ")}
+    assert [t.split(",")[1].split(":")[0].strip() for t in turns] == [
+        "default",
+        "dense Q4_0 (quick shape)",
+    ]
+    for rows in turns.values():
+        assert [r["measure"] for r in rows] == [
+            "prefill tok/s",
+            "TTFT s",
+            "next-turn TTFT s",
+            "decode tok/s",
+        ]
+        assert all(_number(r["flashserve"]) > 0 and r["llama-server"] == "-" for r in rows), rows
+        assert int(rows[0]["what"].split("-")[0]) >= 160  # the cold prompt's tokens, counted
+        assert int(rows[2]["what"].split()[0]) >= 100  # the conversation was reused
+    for part in proc.stdout.split("Turns over HTTP, ")[1:]:
+        assert "\n  llama-server: not measured (no binary" in part
 
 
 def test_quick_speculative_section_prints_its_rows(tmp_path: Path) -> None:

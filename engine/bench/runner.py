@@ -24,7 +24,9 @@ Sections (all but cap by default):
            thread (cores busy; llama-server's beside it with --llama-server or
            FLASHSERVE_LLAMA_SERVER), and 6k cached + 200 new tokens against its bound;
            the 1.2B dense Q4_0 model's cold prefill (1,160 and 57 tokens) on the
-           integer prompt GEMM and the float path, beside llama-server
+           integer prompt GEMM and the float path, beside llama-server; then
+           both models served over HTTP beside llama-server: cold prefill of
+           1,160 tokens, TTFT of 57, an agent's next turn, decode (bench/turns.py)
 
 --plot DIR draws the numbers as PNGs in DIR (plots.py; needs matplotlib).
 
@@ -53,10 +55,13 @@ from flashserve.engine.bench import (
     prefill,
     prompt_cache,
     speculative,
+    turns,
 )
 from flashserve.engine.bench.common import DEFAULT_WORK_DIR
 from flashserve.engine.bench.images import section as images_section
 from flashserve.engine.compute import blas
+
+TURN_ROUNDS = 2  # the HTTP turns: two interleaved rounds (a 1.2B round is ~1 minute)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
             binary = args.llama_server or prefill.llama_server_binary()
             results[section]["dense_1p2b"] = prefill.run_dense_turn(
                 args.work_dir, binary, 1 if args.quick else prefill.ROUNDS, args.quick
+            )
+            results[section]["turns"] = turns.run(
+                args.work_dir, binary, 1 if args.quick else TURN_ROUNDS, args.quick
             )
         else:
             parser.error(f"unknown section {section!r}")
