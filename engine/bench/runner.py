@@ -26,7 +26,7 @@ Sections (all but cap by default):
            the 1.2B dense Q4_0 model's cold prefill (1,160 and 57 tokens) on the
            integer prompt GEMM and the float path, beside llama-server; then
            both models served over HTTP beside llama-server: cold prefill of
-           1,160 tokens, TTFT of 57, an agent's next turn, decode (bench/turns.py)
+           1,160 tokens, TTFT of 57, an agent's next turn, decode (bench/agent_turn/)
 
 --plot DIR draws the numbers as PNGs in DIR (plots.py; needs matplotlib).
 
@@ -55,8 +55,8 @@ from flashserve.engine.bench import (
     prefill,
     prompt_cache,
     speculative,
-    turns,
 )
+from flashserve.engine.bench.agent_turn import over_http
 from flashserve.engine.bench.common import DEFAULT_WORK_DIR
 from flashserve.engine.bench.images import section as images_section
 from flashserve.engine.compute import blas
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
             results[section]["dense_1p2b"] = prefill.run_dense_turn(
                 args.work_dir, binary, 1 if args.quick else prefill.ROUNDS, args.quick
             )
-            results[section]["turns"] = turns.run(
+            results[section]["turns"] = over_http.run(
                 args.work_dir, binary, 1 if args.quick else TURN_ROUNDS, args.quick
             )
         else:
