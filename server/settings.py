@@ -224,6 +224,17 @@ class Settings(BaseSettings):
         ge=784,
         description="pixels per image; a larger image is downscaled to fit (aspect kept)",
     )
+    allow_image_urls: bool = Field(
+        False,
+        description="fetch http(s) image URLs in requests (off: a 400 asks for a data: URL); "
+        "the server then fetches any URL a client names, its local network's included",
+    )
+    image_url_max_bytes: int = Field(
+        20_000_000, ge=1024, description="allow_image_urls: bytes one fetched image may have"
+    )
+    image_url_timeout: float = Field(
+        10.0, gt=0, description="allow_image_urls: seconds to fetch one image, redirects included"
+    )
 
     # Production
     api_key: str | None = None
@@ -258,6 +269,7 @@ class Settings(BaseSettings):
         "memory_budget",
         "shed_floor",
         "max_body_bytes",
+        "image_url_max_bytes",
         "prompt_cache_bytes",
         "prompt_cache_disk_bytes",
         "prompt_cache_write_bytes_per_hour",

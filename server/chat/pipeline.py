@@ -26,6 +26,7 @@ from flashserve.server.chat.prompts import render_prompt
 from flashserve.server.chat.reasoning import THINK
 from flashserve.server.chat.tooling import ChatPlan, plan_chat, template_inputs
 from flashserve.server.generation import Generation, completion_budget, submit
+from flashserve.server.http.images import fetch_images
 from flashserve.server.http.lifecycle import RequestTracker
 
 
@@ -74,6 +75,8 @@ async def render_chat(
 ) -> tuple[ChatPlan, str, list[int]]:
     """(plan, prompt text, prompt token ids): what start_chat submits, and what a token
     count (Anthropic's count_tokens) counts, so the two never disagree."""
+    # An image URL's bytes become its tokens, so they are fetched before anything renders.
+    await fetch_images(request.images, options.images)
     plan = plan_chat(request, loaded.tokenizer, options)
     messages, tools = template_inputs(plan, request.messages)
     # Earlier turns' think blocks as the model saw them (chat/think_history.py):

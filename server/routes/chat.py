@@ -12,7 +12,7 @@ from flashserve.server.http.deps import (
     vocab_size,
 )
 from flashserve.server.http.errors import error_responses
-from flashserve.server.http.images import ImageLimits
+from flashserve.server.http.images import FetchLimits, ImageLimits
 from flashserve.server.http.loading import answer
 from flashserve.server.http.openapi import event_stream
 from flashserve.server.http.sse import EventStream
@@ -63,5 +63,14 @@ def chat_options(settings: Settings) -> ChatOptions:
         prompt=prompt_limits(settings),
         stream_keepalive=settings.stream_keepalive,
         history_thinking=settings.history_thinking,
-        images=ImageLimits(settings.max_images, settings.max_image_pixels),
+        images=image_limits(settings),
+    )
+
+
+def image_limits(settings: Settings) -> ImageLimits:
+    fetch = FetchLimits(settings.image_url_max_bytes, settings.image_url_timeout)
+    return ImageLimits(
+        settings.max_images,
+        settings.max_image_pixels,
+        fetch if settings.allow_image_urls else None,
     )
