@@ -15,6 +15,7 @@ import logging
 
 from flashserve.engine.compute import device, qmm, step_ops
 from flashserve.engine.compute.half_scales import float32_embeddings
+from flashserve.engine.compute.prompt_experts import use_integer_experts
 from flashserve.engine.compute.prompt_matmul import use_blas_for_prompts
 from flashserve.engine.config import EngineConfig
 from flashserve.engine.kv import cache as kv_cache
@@ -61,6 +62,7 @@ def load(config: EngineConfig) -> LoadedModel:
         kv_cache.install(loaded.model, config.kv_bits, config.kv_group_size)
     except ValueError as exc:
         raise ModelLoadError(str(exc)) from None
+    use_integer_experts(loaded.model)  # a resident MoE's prompt rows as its offloaded twin's
     changed = use_blas_for_prompts(loaded.model, config.prompt_matmul)
     if changed:
         log.debug("%d quantized linears run prompts as dequantize + BLAS matmul", changed)

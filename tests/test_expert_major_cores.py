@@ -9,9 +9,10 @@ which splits a matmul of 256K weights x rows or more over its thread pool
 are wide enough (hidden 256, experts of 128) that a 64-token chunk's
 per-expert matmuls cross that threshold, so they run split over the cores.
 Greedy output through the real server must be the fully resident model's at
-any chunking and expert cache size, and the same on one core. The prompts
-here are float (`prompt_matmul` "float"): on the integer GEMM the expert rows
-are rounded where the resident model's are not (test_expert_prompt_gemm.py).
+any chunking and expert cache size, and the same on one core: on the default
+integer prompt GEMM (a resident model's experts take it too:
+compute/prompt_experts.py), and on the float paths each way of computing an
+expert takes (test_every_expert_path_matches_resident).
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ def test_expert_major_prefill_on_every_core_matches_resident(tmp_path: Path, arc
     steps = ("64", "100") if arch == "qwen3_moe" else ("64",)
     caches = ("3", "12") if arch == "qwen3_moe" else ("3",)
     for step in steps:
-        chunks = ("--prefill-step-size", step, "--prompt-matmul", "float")
+        chunks = ("--prefill-step-size", step)  # int16 prompts: resident experts alike
         expected = _outputs(prepared, tmp_path / f"resident-{step}", *chunks)
         assert all(len(text) > 0 for text, _ in expected.values())
         assert expected[0] != expected[1]

@@ -283,3 +283,24 @@ def test_float_keeps_the_resident_models_numbers(models) -> None:
     want = _answers(path, [PROMPT], prompt_matmul="float", prefill_step_size=64)
     got = _answers(path, [PROMPT], expert_cache="3", prompt_matmul="float", prefill_step_size=64)
     assert got == want
+
+
+def test_a_resident_moe_gives_the_offloaded_models_int16_numbers(models) -> None:
+    """Served resident (no expert cache), the model's prompt chunks run their experts on
+    the integer GEMM too (compute/prompt_experts.py): the offloaded model's int16 logits
+    bit for bit at any chunking and cache size, and its greedy tokens and logprobs."""
+    for variant in ("4-bit", "8-bit"):
+        path = models[variant]
+        resident = _load(path)
+        assert resident.experts is None
+        want = _logits(resident, [48, 48])
+        assert np.array_equal(_logits(resident, [96]), want), variant
+        assert np.array_equal(_logits(resident, [20, 76]), want), variant
+        for cache in ("3", str(EXPERTS * LAYERS)):
+            offloaded = _load(path, expert_cache=cache)
+            assert np.array_equal(_logits(offloaded, [48, 48]), want), (variant, cache)
+            offloaded.experts.close()
+        floats = _logits(_load(path, prompt_matmul="float"), [48, 48])
+        assert not np.array_equal(floats, want)  # the integer path ran
+    want = _answers(models["4-bit"], [PROMPT], expert_cache="3", prefill_step_size=64)
+    assert _answers(models["4-bit"], [PROMPT], prefill_step_size=64) == want

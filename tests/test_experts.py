@@ -399,8 +399,7 @@ def test_fast_kernel_runs_each_layer_once_over_the_cached_experts(tmp_path, monk
 
     src = make_model_dir(tmp_path / "src", "qwen3_moe", overrides={"moe_intermediate_size": 64})
     path = prepare(str(src), tmp_path / "prepared", expert_bits=4)
-    # Float prompts: the integer GEMM's expert rows are not the resident model's bits.
-    want = greedy(load(EngineConfig(model=str(path), prompt_matmul="float")))
+    want = greedy(load(EngineConfig(model=str(path))))
     calls = []
     template = expert_compute.call_template
 
@@ -410,11 +409,7 @@ def test_fast_kernel_runs_each_layer_once_over_the_cached_experts(tmp_path, monk
         return template(info, x, remapped, experts, weights, stack)
 
     monkeypatch.setattr(expert_compute, "call_template", counting)
-    loaded = load(
-        EngineConfig(
-            model=str(path), expert_cache=str(EXPERTS * LAYERS // 2), prompt_matmul="float"
-        )
-    )
+    loaded = load(EngineConfig(model=str(path), expert_cache=str(EXPERTS * LAYERS // 2)))
     assert qmm.active()
     tokens, logprobs = greedy(loaded)
     assert tokens == want[0]
