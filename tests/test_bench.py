@@ -307,8 +307,8 @@ def test_quick_agent_turn_section_prints_its_rows_and_bounds(tmp_path: Path) -> 
     dense_targets = proc.stdout.split("1.2B dense targets")[1]
     assert re.search(r"^  160 tokens, int16 / float: [0-9.]+x$", dense_targets, re.M)
     assert re.search(r"^  24 tokens / llama-server: not measured", dense_targets, re.M)
-    # Both models served over HTTP (bench/agent_turn/over_http.py): the four turn measures, flashserve's
-    # numbers, llama-server's column empty without a binary and said so.
+    # Both models served over HTTP (bench/agent_turn/over_http.py): the four turn measures,
+    # flashserve's numbers, llama-server's column empty without a binary and said so.
     turns = {t: rows for t, rows in tables.items() if t.startswith("Turns over HTTP, ")}
     assert [t.split(",")[1].split(":")[0].strip() for t in turns] == [
         "default",
@@ -326,6 +326,9 @@ def test_quick_agent_turn_section_prints_its_rows_and_bounds(tmp_path: Path) -> 
         assert int(rows[2]["what"].split()[0]) >= 100  # the conversation was reused
     for part in proc.stdout.split("Turns over HTTP, ")[1:]:
         assert "\n  llama-server: not measured (no binary" in part
+    assert "llama.cpp's deviation from the float path: not measured (no llama-server)" in (
+        proc.stdout
+    )
 
 
 def test_quick_speculative_section_prints_its_rows(tmp_path: Path) -> None:

@@ -26,7 +26,9 @@ Sections (all but cap by default):
            the 1.2B dense Q4_0 model's cold prefill (1,160 and 57 tokens) on the
            integer prompt GEMM and the float path, beside llama-server; then
            both models served over HTTP beside llama-server: cold prefill of
-           1,160 tokens, TTFT of 57, an agent's next turn, decode (bench/agent_turn/)
+           1,160 tokens, TTFT of 57, an agent's next turn, decode (bench/agent_turn/);
+           and how far llama.cpp and the integer prompt paths move the next-token
+           probabilities from the float path (the default model, --accuracy-gguf)
 
 --plot DIR draws the numbers as PNGs in DIR (plots.py; needs matplotlib).
 
@@ -56,10 +58,11 @@ from flashserve.engine.bench import (
     prompt_cache,
     speculative,
 )
-from flashserve.engine.bench.agent_turn import over_http
+from flashserve.engine.bench.agent_turn import deviation, over_http
 from flashserve.engine.bench.common import DEFAULT_WORK_DIR
 from flashserve.engine.bench.images import section as images_section
 from flashserve.engine.compute import blas
+from flashserve.engine.weights.sources import default_model_path
 
 TURN_ROUNDS = 2  # the HTTP turns: two interleaved rounds (a 1.2B round is ~1 minute)
 
@@ -104,6 +107,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="cap section: interleaved rounds")
     parser.add_argument(
         "--model", type=Path, help="cap section: a GGUF to serve (of --cap-model's kind)"
+    )
+    parser.add_argument(
+        "--accuracy-gguf",
+        type=Path,
+        action="append",
+        default=[],
+        help="agent-turn section: another GGUF for the table of llama.cpp's and flashserve's "
+        "deviation from the float path (repeatable; the default model is always in it)",
     )
     parser.add_argument(
         "--llama-server",
@@ -161,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
             )
             results[section]["turns"] = over_http.run(
                 args.work_dir, binary, 1 if args.quick else TURN_ROUNDS, args.quick
+            )
+            results[section]["deviation"] = deviation.run(
+                [default_model_path(), *args.accuracy_gguf], binary
             )
         else:
             parser.error(f"unknown section {section!r}")
