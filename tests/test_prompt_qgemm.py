@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
+from flashserve.engine.bench.agent_turn import deviation
 from flashserve.engine.compute import prompt_matmul, qmm
 from flashserve.engine.compute.prompt_matmul import PromptQuantizedLinear
 from flashserve.engine.config import EngineConfig
@@ -177,14 +178,7 @@ TEXT = (
     "reads are fast; when it is full, a policy such as least-recently-used decides what "
     "to evict. The French Revolution began in 1789 with the storming of the Bastille."
 )
-PROMPTS = [
-    "Q: What is the capital of France?\nA:",
-    "Once upon a time, in a small village,",
-    "def add(a, b):\n    return",
-    "The three primary colors are",
-    "1, 2, 3, 4, 5,",
-    "The largest planet in the solar system is",
-]
+PROMPTS = deviation.PROMPTS  # the bench's accuracy table uses the same prompts
 TOP5_BOUND = 0.02
 
 
