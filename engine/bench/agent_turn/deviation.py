@@ -29,7 +29,7 @@ from flashserve.engine.loader import load
 
 log = logging.getLogger(__name__)
 
-PROMPTS = [  # tests/test_prompt_qgemm.py's greedy prompts
+PROMPTS = [  # fixed prompts of every kind: question, story, code, list, fact
     "Q: What is the capital of France?\nA:",
     "Once upon a time, in a small village,",
     "def add(a, b):\n    return",
