@@ -509,3 +509,70 @@ def test_an_image_that_fails_to_encode_fails_its_request_alone(vlm_dir: Path) ->
     assert isinstance(failed[-1], ErrorEvent) and "cannot take" in failed[-1].message
     assert sum(isinstance(e, TokenEvent) for e in text) == 4
     assert sum(isinstance(e, TokenEvent) for e in after) == 4
+
+
+# Run by the test below in a Python of its own: an engine encodes an image and is
+# dropped (its vision thread must end), another encodes one, stops, and the process
+# exits with that engine's vision thread alive. (The worker is given time to end:
+# a thread that ran compiled MLX functions and ends as Python finalizes aborts it,
+# the vision thread's fault here being the one tested.)
+EXIT_SCRIPT = """
+import asyncio, gc, sys, threading
+from flashserve.engine.config import EngineConfig
+from flashserve.engine.generation.requests import GenerationRequest, SamplingParams
+from flashserve.engine.generation.worker import Engine
+from flashserve.engine.vision.images import decode_image
+from flashserve.engine.vision.prompt import SENTINEL
+
+def encode(image):
+    engine = Engine(EngineConfig(model=sys.argv[1]))
+    engine.start()
+    assert engine.wait_ready(120), engine.load_error
+    vision, tokenizer = engine.loaded.vision, engine.loaded.tokenizer
+    images = vision.prompt([image])
+    chat = [{"role": "user", "content": f"Look: {SENTINEL}"}]
+    text = images.expand(tokenizer.apply_chat_template(chat, tokenize=False))
+    prompt = images.mark(tokenizer.encode(text, add_special_tokens=False))
+    request = GenerationRequest(prompt, 2, SamplingParams(temperature=0), images=[image])
+
+    async def run():
+        return [event async for event in engine.submit(request)]
+
+    asyncio.run(run())
+    assert vision.encodes == 1
+    return engine
+
+def vision_threads():
+    return [t for t in threading.enumerate() if t.name.startswith("flashserve-vision")]
+
+image = decode_image(open(sys.argv[2], "rb").read(), 1 << 20)
+dropped = encode(image)
+dropped.shutdown()
+del dropped
+gc.collect()
+for _ in range(100):
+    if not vision_threads():
+        break
+    threading.Event().wait(0.05)
+assert not vision_threads(), "a dropped engine's vision thread lives on"
+kept = encode(image)
+kept.shutdown()
+threading.Event().wait(0.5)
+assert vision_threads()
+print("exiting")
+"""
+
+
+def test_the_vision_thread_ends_with_its_engine_and_never_as_python_exits(
+    vlm_dir: Path, tmp_path: Path
+) -> None:
+    """A dropped engine's vision thread ends (it would hold the tower's memory after an
+    unload), and a process that exits with one alive exits cleanly: a thread ending as
+    Python finalizes runs MLX's thread-local destructors, which take the GIL then and
+    abort the process (a pool's thread, joined at exit, did so about half the time)."""
+    image = tmp_path / "image.png"
+    image.write_bytes(png(18))
+    cmd = [sys.executable, "-c", EXIT_SCRIPT, str(vlm_dir), str(image)]
+    for _ in range(4):  # the old pool thread aborted one exit in three
+        done = subprocess.run(cmd, env=_clean_env(), capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0 and "exiting" in done.stdout, done.stderr[-3000:]

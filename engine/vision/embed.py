@@ -13,9 +13,12 @@ covers never is.
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
 from typing import Any
 
@@ -92,7 +95,7 @@ class ImageEncodes:
     def __init__(self, loaded: Callable[[], Any], refuse: Callable[[Any, BaseException], None]):
         self._loaded = loaded  # the worker's LoadedModel, once loaded
         self._refuse = refuse  # the worker's: a request's error event (its images failed)
-        self._pool: ThreadPoolExecutor | None = None
+        self._jobs: queue.SimpleQueue | None = None  # the vision thread's, once started
         self._parked: list[Any] = []  # the worker's Starts, in arrival order
 
     @property
@@ -141,9 +144,36 @@ class ImageEncodes:
 
     def _submit(self, images: list[Image]) -> Future:
         vision = self._loaded().vision
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="flashserve-vision")
-        return self._pool.submit(lambda: {i.digest: vision.features(i) for i in images})
+        if self._jobs is None:
+            self._jobs = queue.SimpleQueue()
+            # A daemon thread, as the worker is: a pool's thread is joined as Python
+            # exits, and its end then runs MLX's thread-local destructors (compiled
+            # functions, which take the GIL) while the interpreter finalizes, which
+            # aborts the process. It ends when these encodes are dropped (an unload).
+            thread = threading.Thread(
+                target=_encode_jobs, args=(self._jobs,), name="flashserve-vision_0", daemon=True
+            )
+            thread.start()
+            # Not at exit: the thread's end would then come as Python finalizes.
+            weakref.finalize(self, self._jobs.put, None).atexit = False
+        future: Future = Future()
+        self._jobs.put((future, lambda: {i.digest: vision.features(i) for i in images}))
+        return future
+
+
+def _encode_jobs(jobs: queue.SimpleQueue) -> None:
+    """The vision thread: each job's result (or error) into its future, until None."""
+    while (job := jobs.get()) is not None:
+        _encode(*job)
+        del job  # nothing of a finished job (its images, the tower) held while waiting
+
+
+def _encode(future: Future, encode: Callable[[], Any]) -> None:
+    if future.set_running_or_notify_cancel():
+        try:
+            future.set_result(encode())
+        except BaseException as exc:  # the request's error: ImageEncodes.ready reads it
+            future.set_exception(exc)
 
 
 def _cumsum(features: dict[str, mx.array], order: list[str]) -> list[int]:
