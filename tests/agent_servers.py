@@ -24,7 +24,7 @@ from flashserve.engine.weights.synthetic import make_model_dir
 from flashserve.server.http.deps import request_logits_processors
 
 from . import scripted
-from .conftest import Server, serve_app
+from .conftest import Server, metric, serve_app
 
 CONTEXT = 131072  # a context as long as agents expect; the random model does not care
 # Output events of each dialect these clients speak: the prefill is over when one leaves.
@@ -48,6 +48,18 @@ def make_agent_model(out: Path, context: int = CONTEXT, **overrides: Any) -> Pat
     spec["chat_template"] = (scripted.FIXTURES / spec["chat_template"]).read_text()
     config = {"max_position_embeddings": context, **overrides}
     return make_model_dir(out, "llama", overrides=config, **spec)
+
+
+def make_agent_vlm(out: Path, context: int = CONTEXT) -> Path:
+    """tests/test_images.py's tiny Gemma 3 vision-language model as an agent's: Qwen3's
+    chat template (Hermes tool calls; the image placeholders are the template's text),
+    one layer and head as ONE_LAYER's, all of its attention global over a long context."""
+    from flashserve.engine.vision.synthetic import make_gemma3_vlm
+
+    template = (scripted.FIXTURES / scripted.TEMPLATES["qwen3"]["chat_template"]).read_text()
+    text = {**ONE_LAYER, "head_dim": 32, "query_pre_attn_scalar": 32}
+    text.update(max_position_embeddings=context, sliding_window_pattern=1)
+    return make_gemma3_vlm(out, text=text, chat_template=template)
 
 
 @dataclass
@@ -117,3 +129,8 @@ def agent_server(model: Path, **settings: Any) -> Iterator[tuple[Server, list[Ex
 
 def context_length(server: Server) -> int:
     return server.http().get("/v1/models").json()["data"][0]["context_length"]
+
+
+def images_encoded(server: Server) -> float:
+    """Images the server's vision tower has encoded: an image that reached the model."""
+    return metric(server.http().get("/metrics").text, "flashserve_images_encoded_total") or 0.0

@@ -8,7 +8,9 @@ exactly what each test scripts, through the real generation and parsing path.
 Its first prompt is ~19k real tokens, but ~67k of the tiny model's
 byte-level tokens, so the model has one layer and one attention head (a
 67k-token prefill in about a second on two cores), a 256k context, and the
-prompt cache on: a later turn prefills only what it adds.
+prompt cache on: a later turn prefills only what it adds. The image test's
+model is the tiny Gemma 3 vision-language model made the same way
+(tests/agent_servers.py make_agent_vlm).
 """
 
 from __future__ import annotations
@@ -24,12 +26,13 @@ from typing import Any
 import pytest
 
 from .agent_install import npm_client
-from .agent_servers import ONE_LAYER, make_agent_model
+from .agent_servers import ONE_LAYER, images_encoded, make_agent_model, make_agent_vlm
 from .conftest import Server
 from .scripted import ScriptQueue, script_queue, scripted_server
 from .test_tool_images import PLACEHOLDER, PNG
 
 VERSION = "2.1.197"
+TOKENS_PER_IMAGE = 4  # the tiny vision-language model's (engine/vision/synthetic.py)
 CONTEXT = 262144
 RUN_TIMEOUT_S = 420.0
 
@@ -164,32 +167,73 @@ def test_read_of_a_png_goes_on(claude: Path, server: Server, tmp_path: Path) -> 
     assert result["is_error"] is False
     assert len(queue.bodies) == 2
     # Claude Code sent the image inside the tool_result...
-    sent = queue.bodies[1]
-    [result_block] = [
-        block
-        for block in sent["messages"][-1]["content"]
-        if isinstance(block, dict) and block.get("type") == "tool_result"
-    ]
+    result_block = tool_result(queue.bodies[1])
     images = [part for part in result_block["content"] if part["type"] == "image"]
     assert images and images[0]["source"]["type"] == "base64", result_block
-
     # ...and the model's prompt held the placeholder in its place: the same request
     # with the placeholder written as text counts the same tokens; without it, fewer.
-    def count(parts: list[dict[str, Any]]) -> int:
-        block = {**result_block, "content": parts}
-        last = {**sent["messages"][-1], "content": [
-            block if part is result_block else part for part in sent["messages"][-1]["content"]
-        ]}  # fmt: skip
-        body = {k: sent[k] for k in ("model", "system", "tools") if k in sent}
-        body["messages"] = [*sent["messages"][:-1], last]
-        answer = server.http().post("/v1/messages/count_tokens", json=body)
-        assert answer.status_code == 200, answer.text
-        return answer.json()["input_tokens"]
-
     parts = result_block["content"]
     written = [{"type": "text", "text": PLACEHOLDER} if p["type"] == "image" else p for p in parts]
     text = [part for part in parts if part["type"] != "image"]
-    assert count(parts) == count(written) > count(text)
+    counts = [count_with(server, queue.bodies[1], p) for p in (parts, written, text)]
+    assert counts[0] == counts[1] > counts[2], counts
+
+
+def tool_result(body: dict[str, Any]) -> dict[str, Any]:
+    """The tool_result block of the request's last message."""
+    [block] = [
+        block
+        for block in body["messages"][-1]["content"]
+        if isinstance(block, dict) and block.get("type") == "tool_result"
+    ]
+    return block
+
+
+def count_with(server: Server, sent: dict[str, Any], parts: list[dict[str, Any]]) -> int:
+    """The prompt tokens of request `sent` with its tool_result's content made `parts`."""
+    result_block = tool_result(sent)
+    block = {**result_block, "content": parts}
+    last = {**sent["messages"][-1], "content": [
+        block if part is result_block else part for part in sent["messages"][-1]["content"]
+    ]}  # fmt: skip
+    body = {k: sent[k] for k in ("model", "system", "tools") if k in sent}
+    body["messages"] = [*sent["messages"][:-1], last]
+    answer = server.http().post("/v1/messages/count_tokens", json=body)
+    assert answer.status_code == 200, answer.text
+    return answer.json()["input_tokens"]
+
+
+@pytest.fixture(scope="module")
+def vlm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """tests/test_images.py's tiny Gemma 3 vision-language model, made an agent's."""
+    pytest.importorskip("mlx_vlm", reason="the vision extra: pip install 'flashserve[vision]'")
+    path = make_agent_vlm(tmp_path_factory.mktemp("claude-code-vlm") / "tiny-gemma3", CONTEXT)
+    with scripted_server(path, prompt_cache_bytes=2**30) as running:
+        yield running
+
+
+def test_read_of_a_png_reaches_a_vision_model(
+    claude: Path, vlm_server: Server, tmp_path: Path
+) -> None:
+    """Read opens a PNG; the tool_result's image reaches the vision-language model: its
+    tower encodes it, and the prompt holds the image's tokens."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "shot.png").write_bytes(base64.b64decode(PNG))
+    queue = script_queue(tool_call("Read", {"file_path": str(work / "shot.png")}), "One pixel.")
+    before = images_encoded(vlm_server)
+    result = run_claude(claude, vlm_server, queue, tmp_path, "What is in shot.png?")
+    assert result["result"] == "One pixel." and result["is_error"] is False, result
+    assert len(queue.bodies) == 2
+    sent = queue.bodies[1]
+    parts = tool_result(sent)["content"]
+    assert [p["type"] for p in parts if p["type"] == "image"] == ["image"]
+    # The tower ran for the one image (the first request had none).
+    assert images_encoded(vlm_server) == before + 1
+    # The image's tokens: its 4 placeholders and their markup, not a text placeholder.
+    text = [part for part in parts if part["type"] != "image"]
+    with_image, without = count_with(vlm_server, sent, parts), count_with(vlm_server, sent, text)
+    assert with_image >= without + TOKENS_PER_IMAGE + 2, (with_image, without)
 
 
 @pytest.fixture(scope="module")

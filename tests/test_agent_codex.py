@@ -4,7 +4,8 @@
 scripted server (tests/agent_servers.py): a text turn, a shell-tool round trip
 through Codex's own sandbox, an answer longer than the server's old default
 output limit (Codex sets no `max_output_tokens`), view_image of a PNG (read
-by the text-only model as a placeholder), a first prefill slower than Codex's
+by the text-only model as a placeholder), `--image` of a PNG (encoded by a
+tiny vision-language model's tower), a first prefill slower than Codex's
 stream_idle_timeout_ms kept alive by `stream_keepalive` events, and a retry
 after an abandoned prefill that resumes from the prompt cache.
 
@@ -29,7 +30,14 @@ from typing import Any
 import pytest
 
 from .agent_install import npm_client
-from .agent_servers import Exchange, agent_server, context_length, make_agent_model
+from .agent_servers import (
+    Exchange,
+    agent_server,
+    context_length,
+    images_encoded,
+    make_agent_model,
+    make_agent_vlm,
+)
 from .conftest import Server
 from .scripted import ScriptQueue, script_queue
 from .test_tool_images import PNG
@@ -104,13 +112,20 @@ http_headers = {{ "{header}" = "{queue_id}" }}
 
 
 def run_codex(
-    codex: Path, home: Path, workdir: Path, prompt: str, sandbox: str = "read-only"
+    codex: Path,
+    home: Path,
+    workdir: Path,
+    prompt: str,
+    sandbox: str = "read-only",
+    images: tuple[Path, ...] = (),
 ) -> tuple[int, list[dict[str, Any]], str]:
     """`codex exec --json`: (exit status, JSONL events, stderr)."""
     workdir.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "CODEX_"))}
     env |= {"CODEX_HOME": str(home), "FLASHSERVE_TEST_KEY": "unused"}
     cmd = [str(codex), "exec", "--json", "--skip-git-repo-check", "--strict-config"]
+    # `--image=` form: the flag takes several values, and would take the prompt too.
+    cmd += [f"--image={image}" for image in images]
     cmd += ["--sandbox", sandbox, "-C", str(workdir), prompt]
     done = subprocess.run(
         cmd,
@@ -264,6 +279,43 @@ def test_view_image_of_a_png_goes_on(
     sent = queue.bodies[1]
     [answer] = [i for i in sent["input"] if i["type"] == "function_call_output"]
     assert [part["type"] for part in answer["output"]] == ["input_image"], answer
+
+
+@pytest.fixture(scope="module")
+def vlm_served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, list[Exchange]]]:
+    """tests/test_images.py's tiny Gemma 3 vision-language model, made an agent's."""
+    pytest.importorskip("mlx_vlm", reason="the vision extra: pip install 'flashserve[vision]'")
+    with agent_server(make_agent_vlm(tmp_path_factory.mktemp("codex-vlm") / "tiny-gemma3")) as (
+        running
+    ):
+        yield running
+
+
+def test_image_flag_reaches_a_vision_model(
+    codex: Path, vlm_served: tuple[Server, list[Exchange]], tmp_path: Path
+) -> None:
+    """`codex exec --image shot.png` sends the PNG as a Responses input_image; the
+    vision-language model's tower encodes it and the turn completes."""
+    server, log = vlm_served
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "shot.png").write_bytes(base64.b64decode(PNG))
+    queue = script_queue("One red pixel.")
+    write_config(tmp_path / "home", server, queue)
+    before = images_encoded(server)
+    status, events, stderr = run_codex(
+        codex, tmp_path / "home", work, "What is in this picture?", images=(work / "shot.png",)
+    )
+    assert status == 0, (events[-3:], stderr[-2000:])
+    assert [m["text"] for m in items(events, "agent_message")] == ["One red pixel."]
+    [post] = responses_posts(log, queue)
+    assert post.status == 200
+    [user] = [i for i in post.body["input"] if i.get("role") == "user" and any(
+        isinstance(p, dict) and p.get("type") == "input_image" for p in i["content"]
+    )]  # fmt: skip
+    [image] = [p for p in user["content"] if p["type"] == "input_image"]
+    assert image["image_url"].startswith("data:image/png;base64,"), image["image_url"][:80]
+    assert images_encoded(server) == before + 1
 
 
 def test_slow_first_prefill_kept_alive(codex: Path, model_dir: Path, tmp_path: Path) -> None:

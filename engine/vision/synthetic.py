@@ -30,15 +30,19 @@ def make_gemma3_vlm(
     tokens_per_image: int = 4,
     text: dict | None = None,
     vision: dict | None = None,
+    chat_template: str | None = None,
 ) -> Path:
     """A Gemma 3 vision-language model: 4 text layers (heads of 32), a 2-layer SigLIP
     tower on `image_size` pixels in 14-pixel patches, 4 tokens per image; `text` and
-    `vision` change their configs (the benchmark's larger model)."""
+    `vision` change their configs (the benchmark's larger model), `chat_template`
+    the tokenizer's ChatML (the agent tests' Qwen3 template, for its tool calls)."""
     from mlx_vlm.models import gemma3
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    vocab = build_tokenizer(out, extra_special_tokens=GEMMA3_IMAGE_TOKENS)
+    vocab = build_tokenizer(
+        out, chat_template=chat_template, extra_special_tokens=GEMMA3_IMAGE_TOKENS
+    )
     with open(out / "tokenizer.json") as f:
         ids = {t["content"]: t["id"] for t in json.load(f)["added_tokens"]}
     overrides = text or {}
