@@ -227,7 +227,12 @@ class Settings(BaseSettings):
     allow_image_urls: bool = Field(
         False,
         description="fetch http(s) image URLs in requests (off: a 400 asks for a data: URL); "
-        "the server then fetches any URL a client names, its local network's included",
+        "hosts on public addresses only, unless image_url_private",
+    )
+    image_url_private: bool = Field(
+        False,
+        description="allow_image_urls: also fetch from loopback, private and link-local "
+        "addresses (the server's own network: any client can then make it read there)",
     )
     image_url_max_bytes: int = Field(
         20_000_000, ge=1024, description="allow_image_urls: bytes one fetched image may have"

@@ -128,8 +128,16 @@ def fetching(vlm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         vlm_dir,
         tmp_path_factory.mktemp("fetching"),
         "--allow-image-urls",
+        "--image-url-private",  # the test's image server is on 127.0.0.1
         *("--image-url-max-bytes", str(MAX_BYTES), "--image-url-timeout", str(TIMEOUT_S)),
     )
+    yield running
+    stop_server(running)
+
+
+@pytest.fixture(scope="module")
+def public_only(vlm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    running = start_server(vlm_dir, tmp_path_factory.mktemp("public"), "--allow-image-urls")
     yield running
     stop_server(running)
 
@@ -301,3 +309,22 @@ def test_urls_are_refused_while_the_setting_is_off(refusing: Server, images: str
     assert _Images.hits == []  # nothing was fetched
     # The data: URL still works.
     assert chat(refusing, data_url(IMAGE)).usage.completion_tokens > 0
+
+
+def test_local_addresses_are_refused_unless_allowed(public_only: Server, images: str) -> None:
+    """allow_image_urls alone fetches from public addresses only: a loopback host, by
+    address or by name, is a 400 naming image_url_private in each dialect, and
+    nothing is fetched (a client cannot make the server read its own network)."""
+    port = images.rsplit(":", 1)[1]
+    _Images.hits.clear()
+    for url in (f"{images}/cat.png", f"http://localhost:{port}/cat.png"):
+        body = openai_refusal(chat, public_only, url)
+        assert body["param"] == "messages.0.content.1.image_url.url", body
+        assert "image_url_private" in body["message"], body
+        body = openai_refusal(respond, public_only, url)
+        assert "image_url_private" in body["message"], body
+        for tool_result in (False, True):
+            error = anthropic_refusal(message, public_only, url_source(url), tool_result)
+            assert "image_url_private" in error["message"], error
+    assert _Images.hits == []
+    assert public_only.health().status_code == 200

@@ -14,6 +14,7 @@ an agent's tool put it there, and a 400 would end the agent's session.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +49,7 @@ class FetchLimits:
 
     max_bytes: int = 20_000_000
     timeout: float = 10.0  # seconds for the whole fetch, redirects included
+    private: bool = False  # fetch from loopback, private and link-local addresses too
 
 
 @dataclass(frozen=True)
@@ -147,8 +149,12 @@ async def fetch_images(images: list[Any], limits: ImageLimits) -> None:
     if not pending or limits.fetch is None:
         return
     fetch = limits.fetch
+    hooks = {} if fetch.private else {"request": [_refuse_local]}
     async with httpx.AsyncClient(
-        follow_redirects=True, max_redirects=MAX_REDIRECTS, timeout=httpx.Timeout(fetch.timeout)
+        follow_redirects=True,
+        max_redirects=MAX_REDIRECTS,
+        timeout=httpx.Timeout(fetch.timeout),
+        event_hooks=hooks,
     ) as client:
         fetched = await asyncio.gather(
             *(_fetch(client, remote, fetch, limits.max_pixels) for _, remote in pending),
@@ -166,6 +172,26 @@ async def fetch_images(images: list[Any], limits: ImageLimits) -> None:
         if isinstance(result, BaseException):
             raise result
         images[i] = result
+
+
+async def _refuse_local(request: httpx.Request) -> None:
+    """Before each request, redirects included: a host that resolves to an address that
+    is not public (loopback, private, link-local: the server's own network) is refused,
+    so a client cannot make the server read what only the server can reach."""
+    host = request.url.host
+    try:
+        addresses = {ipaddress.ip_address(host)}
+    except ValueError:
+        try:
+            infos = await asyncio.get_running_loop().getaddrinfo(host, request.url.port or 443)
+        except OSError as exc:
+            raise FetchError(f"its host {host[:100]!r} does not resolve ({exc})") from None
+        addresses = {ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos}
+    if any(not address.is_global for address in addresses):
+        raise FetchError(
+            f"its host {host[:100]!r} is on a loopback, private or link-local address, which "
+            "this server does not fetch from (setting image_url_private)"
+        )
 
 
 async def _fetch(

@@ -68,7 +68,9 @@ def chat_options(settings: Settings) -> ChatOptions:
 
 
 def image_limits(settings: Settings) -> ImageLimits:
-    fetch = FetchLimits(settings.image_url_max_bytes, settings.image_url_timeout)
+    fetch = FetchLimits(
+        settings.image_url_max_bytes, settings.image_url_timeout, settings.image_url_private
+    )
     return ImageLimits(
         settings.max_images,
         settings.max_image_pixels,
