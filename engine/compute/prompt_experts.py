@@ -19,6 +19,8 @@ does and as the dense linears do.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -26,25 +28,53 @@ from mlx_lm.models import switch_layers
 
 from flashserve.engine.compute import prompt_matmul, qmm
 
-_SCALE_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+SCALE_DTYPES = (mx.float32, mx.float16, mx.bfloat16)  # what the GEMM reads scales as
 _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
-def _takes(module: nn.Module) -> bool:
-    """A projection the integer GEMM takes: packed affine 4/8 bits, no bias, one array."""
-    scales, biases = module.get("scales"), module.get("biases")
+def takes(module: nn.Module) -> bool:
+    """A projection the integer GEMM takes: packed affine 4/8 bits, no bias (its arrays'
+    dtypes are checked where they are known: here on the module, or on a record)."""
     return (
         isinstance(module, switch_layers.QuantizedSwitchLinear)
         and getattr(module, "mode", "affine") == "affine"
         and module.bits in prompt_matmul.INTEGER_BITS
         and module.group_size in prompt_matmul.INTEGER_GROUP_SIZES
         and "bias" not in module
-        and isinstance(module.get("weight"), mx.array)
-        and scales is not None
-        and biases is not None
-        and scales.dtype in _SCALE_DTYPES
-        and biases.dtype == scales.dtype
     )
+
+
+def scale_dtypes_ok(scales: mx.Dtype, biases: mx.Dtype) -> bool:
+    return scales in SCALE_DTYPES and biases == scales
+
+
+def glu(
+    template: switch_layers.SwitchGLU,
+    rows: mx.array,
+    arrays: Callable[[str, str], mx.array],
+    xbits: int,
+) -> mx.array:
+    """One expert's SwitchGLU over its `rows` on the integer GEMM: gate and up in one call
+    (the rows rounded once) where their widths agree, the template's activation, down.
+    `arrays(projection, key)`: the expert's weight, scales or biases."""
+    ext = qmm.extension()
+
+    def gemm(x: mx.array, projs: tuple[str, ...]) -> list[mx.array]:
+        m = getattr(template, projs[0])
+        return ext.prompt_qgemm(
+            x,
+            *([arrays(p, key) for p in projs] for key in ("weight", "scales", "biases")),
+            m.group_size,
+            m.bits,
+            xbits,
+        )
+
+    gate, up = template.gate_proj, template.up_proj
+    if (gate.bits, gate.group_size) == (up.bits, up.group_size):
+        g, u = gemm(rows, ("gate_proj", "up_proj"))
+    else:
+        (g,), (u,) = gemm(rows, ("gate_proj",)), gemm(rows, ("up_proj",))
+    return gemm(template.activation(u, g), ("down_proj",))[0]
 
 
 class PromptSwitchGLU(switch_layers.SwitchGLU):
@@ -64,12 +94,24 @@ class PromptSwitchGLU(switch_layers.SwitchGLU):
             and x.dtype == mx.float32
             and qmm.active()
             and prompt_matmul.integer_available()
-            and all(_takes(getattr(self, p)) for p in _PROJECTIONS)
+            and all(self._takes_arrays(getattr(self, p)) for p in _PROJECTIONS)
+        )
+
+    @staticmethod
+    def _takes_arrays(module: nn.Module) -> bool:
+        scales, biases = module.get("scales"), module.get("biases")
+        return (
+            takes(module)
+            and isinstance(module.get("weight"), mx.array)
+            and scales is not None
+            and biases is not None
+            and scale_dtypes_ok(scales.dtype, biases.dtype)
         )
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         if not self._integer(x):
             return super().__call__(x, indices)
+        xbits = self._prompt_xbits
         batch, length, dims = x.shape
         k = indices.shape[-1]
         flat = x.reshape(batch * length, dims)
@@ -79,28 +121,12 @@ class PromptSwitchGLU(switch_layers.SwitchGLU):
         order = np.argsort(slots, kind="stable")
         experts, starts = np.unique(slots[order], return_index=True)
         ends = np.append(starts[1:], len(order))
-        gate, up, down = (getattr(self, p) for p in _PROJECTIONS)
-        ext = qmm.extension()
-
-        def gemm(rows: mx.array, expert: int, mods: tuple[nn.Module, ...]) -> list[mx.array]:
-            return ext.prompt_qgemm(
-                rows,
-                *([m[key][expert] for m in mods] for key in ("weight", "scales", "biases")),
-                mods[0].group_size,
-                mods[0].bits,
-                self._prompt_xbits,
-            )
-
-        shared = (gate.bits, gate.group_size) == (up.bits, up.group_size)
         outputs = []
         for expert, start, end in zip(experts.tolist(), starts, ends, strict=True):
             tokens = mx.array((order[start:end] // k).astype(np.uint32))
-            rows = flat[tokens]
-            if shared:
-                g, u = gemm(rows, expert, (gate, up))
-            else:
-                (g,), (u,) = gemm(rows, expert, (gate,)), gemm(rows, expert, (up,))
-            outputs.append(gemm(self.activation(u, g), expert, (down,))[0])
+            outputs.append(
+                glu(self, flat[tokens], lambda p, key, e=expert: getattr(self, p)[key][e], xbits)
+            )
         back = mx.array(np.argsort(order).astype(np.uint32))
         out = mx.concatenate(outputs)[back]
         return out.reshape(batch, length, k, out.shape[-1])

@@ -25,7 +25,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models import switch_layers
 
-from flashserve.engine.compute import prompt_matmul, qmm
+from flashserve.engine.compute import prompt_experts, prompt_matmul, qmm
 from flashserve.engine.experts.compute import (
     PROJECTIONS,
     GluOp,
@@ -33,8 +33,6 @@ from flashserve.engine.experts.compute import (
     call_template,
     projection_names,
 )
-
-_SCALE_DTYPES = (mx.float32, mx.float16, mx.bfloat16)  # what the GEMM reads scales as
 
 
 def decode_tokens(tokens_per_sequence: int, parts: list[int] | None) -> np.ndarray | bool:
@@ -62,7 +60,6 @@ def integer_glu(
 
     `as_decode` (decode_tokens'): tokens whose rows go to `float_op` (fused_glu's),
     or the template where that is None."""
-    ext = qmm.extension()
     template = info.template
     if (
         xbits <= 0
@@ -75,41 +72,20 @@ def integer_glu(
         return None
     names = projection_names(info)
     dtypes = {spec.name: spec.dtype for spec in info.layout.tensors}
-    modules = [getattr(template, proj, None) for proj in PROJECTIONS]
     if not all(
-        isinstance(m, switch_layers.QuantizedSwitchLinear)
-        and getattr(m, "mode", "affine") == "affine"
-        and m.bits in prompt_matmul.INTEGER_BITS
-        and m.group_size in prompt_matmul.INTEGER_GROUP_SIZES
-        and "bias" not in m
+        prompt_experts.takes(getattr(template, proj, None))
         and set(names.get(proj, {})) == {"weight", "scales", "biases"}
-        and dtypes[names[proj]["scales"]] in _SCALE_DTYPES
-        and dtypes[names[proj]["biases"]] == dtypes[names[proj]["scales"]]
-        for proj, m in zip(PROJECTIONS, modules, strict=True)
+        and prompt_experts.scale_dtypes_ok(
+            dtypes[names[proj]["scales"]], dtypes[names[proj]["biases"]]
+        )
+        for proj in PROJECTIONS
     ):
         return None
-    gate, up = modules[:2]
-    # Gate and up read the same rows: one call rounds them once.
-    shared = (gate.bits, gate.group_size) == (up.bits, up.group_size)
-
-    def gemm(x: mx.array, tensors: dict[str, mx.array], projs: tuple[str, ...]) -> list[mx.array]:
-        m = getattr(template, projs[0])
-        return ext.prompt_qgemm(
-            x,
-            *([tensors[names[p][key]] for p in projs] for key in ("weight", "scales", "biases")),
-            m.group_size,
-            m.bits,
-            xbits,
-        )
 
     def integer(x: mx.array, rows: np.ndarray, tensors: dict[str, mx.array]) -> mx.array:
         whole = len(rows) == x.shape[0] and (rows == np.arange(len(rows))).all()
         sub = x if whole else x[mx.array(rows.astype(np.uint32))]
-        if shared:
-            g, u = gemm(sub, tensors, ("gate_proj", "up_proj"))
-        else:
-            (g,), (u,) = gemm(sub, tensors, ("gate_proj",)), gemm(sub, tensors, ("up_proj",))
-        return gemm(template.activation(u, g), tensors, ("down_proj",))[0]
+        return prompt_experts.glu(template, sub, lambda p, key: tensors[names[p][key]], xbits)
 
     if as_decode is False:
         return integer
