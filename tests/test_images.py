@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -337,21 +338,40 @@ def test_a_large_image_is_downscaled_to_the_pixel_limit() -> None:
     assert (small.width, small.height) == (30, 40)
 
 
-def test_images_encode_on_their_own_thread_while_the_batch_decodes(vlm_dir: Path) -> None:
-    """The tower made slow (a second an image): a text answer in the batch keeps
-    producing tokens meanwhile, and the encode runs on the vision thread."""
+@contextmanager
+def _vlm_engine(vlm_dir: Path) -> Iterator[Any]:
+    """An in-process engine on the tiny VLM (batch of 4), shut down after."""
     from flashserve.engine.config import EngineConfig
-    from flashserve.engine.generation.requests import GenerationRequest, SamplingParams
     from flashserve.engine.generation.worker import Engine
-    from flashserve.engine.vision.images import decode_image
-    from flashserve.engine.vision.prompt import SENTINEL
 
     engine = Engine(EngineConfig(model=str(vlm_dir), max_batch=4))
     engine.start()
     assert engine.wait_ready(120), engine.load_error
+    assert engine.loaded is not None
     try:
+        yield engine
+    finally:
+        engine.shutdown()
+
+
+def _marked(loaded: Any, image: Any) -> list[int]:
+    """A one-image user turn's prompt ids, the image's placeholders marked by its hash."""
+    from flashserve.engine.vision.prompt import SENTINEL
+
+    images = loaded.vision.prompt([image])
+    chat = [{"role": "user", "content": f"Look: {SENTINEL}"}]
+    text = images.expand(loaded.tokenizer.apply_chat_template(chat, tokenize=False))
+    return images.mark(loaded.tokenizer.encode(text, add_special_tokens=False))
+
+
+def test_images_encode_on_their_own_thread_while_the_batch_decodes(vlm_dir: Path) -> None:
+    """The tower made slow (a second an image): a text answer in the batch keeps
+    producing tokens meanwhile, and the encode runs on the vision thread."""
+    from flashserve.engine.generation.requests import GenerationRequest, SamplingParams
+    from flashserve.engine.vision.images import decode_image
+
+    with _vlm_engine(vlm_dir) as engine:
         loaded = engine.loaded
-        assert loaded is not None
         vision, tokenizer = loaded.vision, loaded.tokenizer
         encode = vision.features
         threads: list[str] = []
@@ -367,10 +387,7 @@ def test_images_encode_on_their_own_thread_while_the_batch_decodes(vlm_dir: Path
 
         vision.features = slow
         image = decode_image(png(13), 1 << 20)
-        images = vision.prompt([image])
-        chat = [{"role": "user", "content": f"Look: {SENTINEL}"}]
-        text = images.expand(tokenizer.apply_chat_template(chat, tokenize=False))
-        marked = images.mark(tokenizer.encode(text, add_special_tokens=False))
+        marked = _marked(loaded, image)
         greedy = SamplingParams(temperature=0, logit_bias={int(k): v for k, v in NO_EOS.items()})
         story = tokenizer.apply_chat_template([{"role": "user", "content": "A story."}])
         times: list[float] = []
@@ -392,8 +409,6 @@ def test_images_encode_on_their_own_thread_while_the_batch_decodes(vlm_dir: Path
 
         seen = asyncio.run(go())
         parts = engine.stats.ttft.total  # summed over both requests: the image's alone
-    finally:
-        engine.shutdown()
     assert threads == ["flashserve-vision_0"]
     assert len([e for e in seen if getattr(e, "token", None) is not None]) == 4
     ((started, ended),) = windows
@@ -456,23 +471,16 @@ def test_an_image_state_on_disk_serves_the_next_turn_after_a_restart(
 def test_an_image_that_fails_to_encode_fails_its_request_alone(vlm_dir: Path) -> None:
     """The tower raising for one image: that request gets its error, a text request
     beside it its answer, and the worker serves the next image."""
-    from flashserve.engine.config import EngineConfig
     from flashserve.engine.generation.requests import (
         ErrorEvent,
         GenerationRequest,
         SamplingParams,
         TokenEvent,
     )
-    from flashserve.engine.generation.worker import Engine
     from flashserve.engine.vision.images import decode_image
-    from flashserve.engine.vision.prompt import SENTINEL
 
-    engine = Engine(EngineConfig(model=str(vlm_dir), max_batch=4))
-    engine.start()
-    assert engine.wait_ready(120), engine.load_error
-    try:
+    with _vlm_engine(vlm_dir) as engine:
         loaded = engine.loaded
-        assert loaded is not None
         vision, tokenizer = loaded.vision, loaded.tokenizer
         bad, good = decode_image(png(16), 1 << 20), decode_image(png(17), 1 << 20)
         encode = vision.features
@@ -484,12 +492,6 @@ def test_an_image_that_fails_to_encode_fails_its_request_alone(vlm_dir: Path) ->
 
         vision.features = failing
 
-        def marked(image: Any) -> list[int]:
-            images = vision.prompt([image])
-            chat = [{"role": "user", "content": f"Look: {SENTINEL}"}]
-            text = images.expand(tokenizer.apply_chat_template(chat, tokenize=False))
-            return images.mark(tokenizer.encode(text, add_special_tokens=False))
-
         greedy = SamplingParams(temperature=0)
         story = tokenizer.apply_chat_template([{"role": "user", "content": "A story."}])
 
@@ -498,14 +500,14 @@ def test_an_image_that_fails_to_encode_fails_its_request_alone(vlm_dir: Path) ->
 
         async def go() -> list[list[Any]]:
             return await asyncio.gather(
-                collect(GenerationRequest(marked(bad), 4, greedy, images=[bad])),
+                collect(GenerationRequest(_marked(loaded, bad), 4, greedy, images=[bad])),
                 collect(GenerationRequest(story, 4, greedy)),
             )
 
         failed, text = asyncio.run(go())
-        after = asyncio.run(collect(GenerationRequest(marked(good), 4, greedy, images=[good])))
-    finally:
-        engine.shutdown()
+        after = asyncio.run(
+            collect(GenerationRequest(_marked(loaded, good), 4, greedy, images=[good]))
+        )
     assert isinstance(failed[-1], ErrorEvent) and "cannot take" in failed[-1].message
     assert sum(isinstance(e, TokenEvent) for e in text) == 4
     assert sum(isinstance(e, TokenEvent) for e in after) == 4
