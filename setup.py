@@ -27,6 +27,7 @@ SOURCES = [
     "engine/compute/csrc/qmm_module.cpp",
     "engine/compute/csrc/qmm_kernels.cpp",
     "engine/compute/csrc/qmm_avx512.cpp",
+    "engine/compute/csrc/qmm_avx512_int.cpp",
     "engine/compute/csrc/step_ops.cpp",
     "engine/compute/csrc/step_sdpa.cpp",
     "engine/compute/csrc/step_sdpa_quant.cpp",

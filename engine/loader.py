@@ -70,6 +70,7 @@ def load(config: EngineConfig) -> LoadedModel:
     # prompt chunks still go to the BLAS and only the rest comes here.
     try:
         qmm.select(config.quantized_matmul)
+        qmm.set_decode_matmul(config.decode_matmul)
     except qmm.QmmError as exc:
         raise ModelLoadError(str(exc)) from None
     step_ops.install()  # norms, RoPE, attention, SwiGLU, log-sum-exp: one CPU op each

@@ -173,6 +173,13 @@ class Settings(BaseSettings):
         "rounded to that many bits per block of 32, integer dot products on every core "
         "(accuracy against float: docs/benchmarks/agent-turns.md); float = dequantize + BLAS",
     )
+    decode_matmul: Literal["int16", "float"] = Field(
+        "int16",
+        description="CPU with AVX-512: decode steps (the LM head, experts and speculative "
+        "verify rows too) through 4- and 8-bit linears; int16 = x rounded per block of 32 "
+        "as the prompt rows are, integer dot products (~2x the float kernel's speed); "
+        "float = x kept in float32",
+    )
     compile_decode: bool = Field(
         True,
         description="CPU, every weight resident: run each decode step as one compiled "

@@ -32,7 +32,12 @@ TOLERANCE = 2e-5
 @pytest.fixture(autouse=True)
 def fast_path():
     assert qmm.select("fast") == "fast"  # this machine has the kernel: CI builds it
+    # The float kernels against MLX's: a model loaded earlier set decode_matmul (int16
+    # by default, tests/test_qmm_int.py), which rounds x.
+    x_bits = qmm.extension().x_bits()
+    qmm.set_decode_matmul("float")
     yield
+    qmm.extension().set_x_bits(x_bits)
     qmm.select("auto")
 
 

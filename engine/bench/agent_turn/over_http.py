@@ -66,13 +66,13 @@ class Measured:
 class FlashServer:
     """`flashserve serve --model GGUF` as a subprocess on a free port."""
 
-    def __init__(self, gguf: Path, work: Path) -> None:
+    def __init__(self, gguf: Path, work: Path, args: tuple[str, ...] = ()) -> None:
         self.port = free_port()
         shutil.rmtree(work, ignore_errors=True)  # cold: no prompt cache from an earlier run
         work.mkdir(parents=True)
         cmd = [sys.executable, "-m", "flashserve.server.cli", "serve", "--model", str(gguf)]
         cmd += ["--host", "127.0.0.1", "--port", str(self.port), "--data-dir", str(work / "data")]
-        cmd += ["--prompt-cache-dir", str(work / "prompt-cache")]
+        cmd += ["--prompt-cache-dir", str(work / "prompt-cache"), *args]
         env = {k: v for k, v in os.environ.items() if not k.startswith("FLASHSERVE_")}
         self._log = open(work / "serve.log", "wb")  # noqa: SIM115 - open while it runs
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)

@@ -16,6 +16,11 @@ struct Prepared {
   int64_t x_stride;
   const float* xsum;     // per row, the sum of x over each group (AVX-512 only)
   int64_t sum_stride;
+  // The integer kernel (qmm_avx512_int.cpp): x rounded to int16, and per
+  // 64-byte chunk of weights the scale of each lane's block of x.
+  const int16_t* xq = nullptr;  // M rows, x_stride int16s apart
+  const float* xlane = nullptr;  // M rows, lane_stride floats apart
+  int64_t lane_stride = 0;
 };
 
 // Columns [n_begin, n_end) of every row.
@@ -29,5 +34,14 @@ ColumnsFn avx512_columns(int bits, ScaleType st);
 
 // x in the AVX-512 kernel's layout for p.bits, into `buf`.
 Prepared avx512_prepare(const QmmProblem& p, std::vector<float>& buf);
+
+// The AVX-512 kernel with x rounded to int16 per block of 32 (4 and 8 bits),
+// on vpdpwssd where the CPU has AVX-512 VNNI and `vnni` allows it, else on
+// vpmaddwd: the same integers, so the same numbers. nullptr: not taken.
+ColumnsFn avx512_int_columns(int bits, ScaleType st, bool vnni);
+bool avx512_vnni_supported();
+
+// x rounded and laid out for avx512_int_columns, into `buf`.
+Prepared avx512_int_prepare(const QmmProblem& p, std::vector<float>& buf);
 
 }  // namespace flashserve_qmm::detail

@@ -377,6 +377,8 @@ std::mutex g_pool_mu;  // one problem on the pool at a time; others run alone
 Pool* g_pool = nullptr;
 int g_threads = 0;
 std::atomic<bool> g_avx512_allowed{true};
+std::atomic<int> g_x_bits{0};            // 16: 4- and 8-bit weights take the integer kernel
+std::atomic<bool> g_vnni_allowed{true};
 
 int cores() {
   cpu_set_t set;
@@ -422,6 +424,14 @@ int threads() {
 
 void set_avx512(bool allowed) { g_avx512_allowed.store(allowed); }
 
+void set_x_bits(int bits) { g_x_bits.store(bits == 16 ? 16 : 0); }
+
+int x_bits() { return g_x_bits.load(); }
+
+void set_vnni(bool allowed) { g_vnni_allowed.store(allowed); }
+
+bool vnni_active() { return g_vnni_allowed.load() && detail::avx512_vnni_supported(); }
+
 bool avx512_active() { return g_avx512_allowed.load() && detail::avx512_supported(); }
 
 namespace {
@@ -444,10 +454,16 @@ struct Span {
 void run_shared(const QmmProblem* ps, int count) {
   const QmmProblem& first = ps[0];
   if (first.M <= 0) return;
-  ColumnsFn fn = avx512_active() ? detail::avx512_columns(first.bits, first.scale_type) : nullptr;
+  const bool avx512 = avx512_active();
+  const bool integer = avx512 && g_x_bits.load() == 16 && (first.bits == 4 || first.bits == 8);
+  ColumnsFn fn = integer ? detail::avx512_int_columns(first.bits, first.scale_type, vnni_active())
+                 : avx512 ? detail::avx512_columns(first.bits, first.scale_type)
+                          : nullptr;
   thread_local std::vector<float> xbuf;
   Prepared x;
-  if (fn != nullptr) {
+  if (integer) {
+    x = detail::avx512_int_prepare(first, xbuf);
+  } else if (fn != nullptr) {
     x = detail::avx512_prepare(first, xbuf);
   } else {
     fn = pick(first.bits, first.scale_type);

@@ -477,6 +477,14 @@ NB_MODULE(_qmm, m) {
         "whether 4- and 8-bit problems may take the AVX-512 kernel (default: allowed)");
   m.def("avx512_active", &flashserve_qmm::avx512_active,
         "whether 4- and 8-bit problems take the AVX-512 kernel now");
+  m.def("set_x_bits", &flashserve_qmm::set_x_bits, "bits"_a,
+        "16: 4- and 8-bit problems on the AVX-512 kernel round x to int16 per block of 32 "
+        "(integer dot products); 0: x stays float32");
+  m.def("x_bits", &flashserve_qmm::x_bits, "16 or 0: what set_x_bits chose");
+  m.def("set_vnni", &flashserve_qmm::set_vnni, "allowed"_a,
+        "whether the int16 kernel may use AVX-512 VNNI (else vpmaddwd: the same numbers)");
+  m.def("vnni_active", &flashserve_qmm::vnni_active,
+        "whether the int16 kernel uses AVX-512 VNNI now");
   m.def("compiled_mlx_version", &compiled_mlx_version,
         "the MLX version whose headers this module was compiled against");
   m.def("runtime_mlx_version", [] { return std::string(mx::version()); },
