@@ -52,6 +52,8 @@ def load(config: EngineConfig) -> LoadedModel:
         )
     try:  # before the language model's fast paths: a refusal should come first
         loaded.vision = load_vision(loaded.path, loaded.config, loaded.tokenizer)
+        if loaded.vision is not None:
+            loaded.vision.attach(loaded.model.layers)  # Qwen's M-RoPE positions
     except VisionError as exc:
         raise ModelLoadError(str(exc)) from None
     if config.context_length and config.context_length < loaded.context_length:

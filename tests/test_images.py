@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -185,38 +185,51 @@ def test_next_turn_reuses_the_image_without_the_tower(server: Server) -> None:
     )
 
 
-def answers(server: Server, image: bytes) -> tuple[str, str, str, str]:
-    """The image's answer alone, the text's alone, then both at once in one batch."""
-    alone = chat(server, ask_about(image)).choices[0].message.content
-    text = chat(server, "Tell me a story.").choices[0].message.content
-    together: dict[str, str] = {}
+def at_once(*calls: Callable[[], Any]) -> list[Any]:
+    """Each call's result, the calls made at the same time (so the server batches them)."""
+    results: list[Any] = [None] * len(calls)
 
-    def run(name: str, content: Any) -> None:
-        together[name] = chat(server, content).choices[0].message.content
+    def run(i: int) -> None:
+        results[i] = calls[i]()
 
-    threads = [
-        threading.Thread(target=run, args=("image", ask_about(image))),
-        threading.Thread(target=run, args=("text", "Tell me a story.")),
-    ]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    return alone, text, together["image"], together["text"]
+    return results
+
+
+def answers(server: Server, image: bytes) -> tuple[str, str, str, str]:
+    """The image's answer alone, the text's alone, then both at once in one batch."""
+
+    def say(content: Any) -> str:
+        return chat(server, content).choices[0].message.content
+
+    alone, text = say(ask_about(image)), say("Tell me a story.")
+    image_batched, text_batched = at_once(
+        lambda: say(ask_about(image)), lambda: say("Tell me a story.")
+    )
+    return alone, text, image_batched, text_batched
+
+
+def prepare(model: Path, out: Path) -> Path:
+    """`flashserve prepare` of the model: its layout, the vision tower's file in it."""
+    subprocess.run(
+        [sys.executable, "-m", "flashserve.server.cli", "prepare", str(model), str(out)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    assert (out / "vision.safetensors").is_file()  # the tower travels with the layout
+    return out
 
 
 def test_streamed_layers_give_the_resident_tokens(
     vlm_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     workdir = tmp_path_factory.mktemp("vlm-streamed")
-    prepared = workdir / "prepared"
-    subprocess.run(
-        [sys.executable, "-m", "flashserve.server.cli", "prepare", str(vlm_dir), str(prepared)],
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
-    assert (prepared / "vision.safetensors").is_file()  # the tower travels with the layout
+    prepared = prepare(vlm_dir, workdir / "prepared")
     image = png(7)
     results = {}
     for name, model, flags in (

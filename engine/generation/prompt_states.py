@@ -1,6 +1,7 @@
 """Which cache states the worker keeps in the prompt cache, and when.
 
-Three moments of a sequence in the batch (worker.py calls these):
+Three moments of a sequence in the batch (worker.py calls these), and one
+of a prompt with images, prefilled outside it (`prefix_keeper`):
 - its prefill reaches prompt[:-1]: the longest prefix any later prompt can
   reuse (BatchGenerator splits each prompt's last token into a segment of its
   own, so the end of the first segment is exactly that state);
@@ -14,6 +15,7 @@ Three moments of a sequence in the batch (worker.py calls these):
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from mlx_lm.generate import BatchGenerator
@@ -40,6 +42,21 @@ def store_prompt_ends(
         return
     for uid, (state, _) in batch.extract_cache(done).items():
         cache.store(list(active[uid].handle.request.prompt_tokens[:-1]), state)
+
+
+def prefix_keeper(
+    cache: PromptCache | None, config: Any, start: Any
+) -> Callable[[list[Any]], None] | None:
+    """For a prompt with images prefilled alone (shared_prefill.py): what stores its
+    state at prompt[:-1], as the batch does for other prompts. A model with recurrent
+    state (Qwen3.5's gated delta-net) can reuse nothing shorter than a stored state,
+    so the next turn's prompt, which extends this one, starts there."""
+    request = start.handle.request
+    if cache is None or not config.prompt_prefix_states or not request.use_prompt_cache:
+        return None
+    if not request.images:
+        return None
+    return lambda state: cache.store(list(start.prompt[:-1]), state)
 
 
 def unprefilled(choice: Choice, tokens: list[int]) -> int:

@@ -10,6 +10,7 @@ token alone, whose logits give the first new token.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,11 +55,13 @@ def prefill_alone(
     scores: PromptScores | None = None,
     cancelled: Callable[[], bool] = lambda: False,
     embed: Embed | None = None,
+    keep_prefix: Callable[[list[Any]], None] | None = None,
 ) -> mx.array:
     """Run prompt[start:] into `cache` (which holds prompt[:start]); the (vocab,)
     logits after the last token. With `scores` (start must be 0) every position's
     logprobs are gathered on the way. With `embed` (a prompt with images) each
-    chunk goes in as its embeddings, the images' features merged in."""
+    chunk goes in as its embeddings, the images' features merged in. `keep_prefix`
+    is given a copy of the state after prompt[:-1] (when this prefill made it)."""
     assert scores is None or start == 0, "prompt logprobs need the whole prompt computed"
     end = len(prompt) - 1
     position = start
@@ -72,6 +75,8 @@ def prefill_alone(
         # The chunk's cache update is part of its logits' graph: this computes it.
         mx.eval(logits[0, -1])
         position += len(chunk)
+    if keep_prefix is not None and end > start:
+        keep_prefix(copy.deepcopy(cache))
     logits = _forward(model, prompt[end:], end, cache, embed)[0, -1]
     mx.eval(logits)
     return logits

@@ -61,7 +61,7 @@ from flashserve.engine.generation.stats import (
 from flashserve.engine.generation.stops import StopMatcher
 from flashserve.engine.prompt_cache.cache import PromptCache, prompt_cache_for
 from flashserve.engine.speculative.batch import Speculation, SpeculativeConfig
-from flashserve.engine.vision.embed import ImageEncodes, image_embedder, real_tokens
+from flashserve.engine.vision.embed import ImageEncodes, batch_caches, image_embedder, real_tokens
 from flashserve.engine.weights.model import LoadedModel
 from flashserve.engine.weights.reader import WeightFileError
 
@@ -393,7 +393,7 @@ class Engine:
                 and self.config.prompt_prefix_states
                 and s.handle.request.use_prompt_cache,
                 cancelled=s.handle.was_cancelled,
-                embed=image_embedder(self.loaded, s.prompt, s.images, s.encoded),
+                embed=image_embedder(self.loaded, s.prompt, s.images, s.encoded, s.cache),
             )
             for s in starts
         ]
@@ -469,8 +469,7 @@ class Engine:
         """Prefill outside the batch (generation/shared_prefill.py); False if the request ended."""
         assert self.loaded is not None
         request = start.handle.request
-        if start.cache is None:
-            start.cache = make_prompt_cache(self.loaded.model)
+        start.cache = start.cache or make_prompt_cache(self.loaded.model)
         if request.prompt_logprobs is not None:
             start.scores = PromptScores(start.prompt, request.prompt_logprobs)
         try:
@@ -482,7 +481,8 @@ class Engine:
                 self.config.prefill_step_size,
                 start.scores,
                 start.handle.was_cancelled,
-                image_embedder(self.loaded, start.prompt, start.images, start.encoded),
+                image_embedder(self.loaded, start.prompt, start.images, start.encoded, start.cache),
+                prompt_states.prefix_keeper(self.prompt_cache, self.config, start),
             )
         except PrefillCancelled:
             self._cancel_waiting(start.handle)
@@ -532,7 +532,7 @@ class Engine:
         (choice.uid,) = batch.insert(
             [inputs],
             max_tokens=[max_tokens],
-            caches=[cache] if cache is not None else None,
+            caches=batch_caches(self.loaded, cache),
             # The reused tokens are history for penalties, as in a cold prefill.
             all_tokens=[real_tokens(prompt[: min(reused, len(prompt))])],
             samplers=[sampler],

@@ -23,7 +23,9 @@ from concurrent.futures import wait as futures_wait
 from typing import Any
 
 import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
 
+from flashserve.engine.vision import mrope
 from flashserve.engine.vision.images import Image
 from flashserve.engine.vision.prompt import VIRTUAL_BASE, real_tokens, virtual_id
 from flashserve.engine.vision.tower import VisionModel
@@ -34,14 +36,22 @@ Embed = Callable[[int, Sequence[int]], mx.array]
 
 
 def image_embedder(
-    loaded: Any, prompt: Sequence[int], images: Sequence[Image], encoded: Future | None = None
+    loaded: Any,
+    prompt: Sequence[int],
+    images: Sequence[Image],
+    encoded: Future | None = None,
+    cache: list[Any] | None = None,
 ) -> Embed | None:
     """embed(start, chunk): prompt[start:start+len(chunk)]'s (1, L, hidden) embeddings;
     None for a prompt without images. `encoded`: the images ImageEncodes encoded ahead
-    (their features by digest); any other image is encoded here when a chunk needs it."""
+    (their features by digest); any other image is encoded here when a chunk needs it.
+    An M-RoPE model's `cache` (the prompt's, to prefill) is given the prompt's positions
+    (vision/mrope.py): prefill it with these embeddings, nothing else."""
     vision: VisionModel | None = loaded.vision
     if not images or vision is None:
         return None
+    if cache is not None and (positions := vision.positions(list(prompt), list(images))):
+        mrope.place(cache, positions)
     embed_tokens = _token_embedding(loaded.model)
     token_id = vision.tokens.token_id
     by_id = {virtual_id(image, token_id): image for image in images}
@@ -138,7 +148,7 @@ class ImageEncodes:
         by_id = {virtual_id(image, vision.tokens.token_id): image for image in images}
         needed = {}
         for position, token in enumerate(start.prompt):
-            if token >= VIRTUAL_BASE and position + vision.tokens.count > start.reused:
+            if token >= VIRTUAL_BASE and position + vision.count(by_id[token]) > start.reused:
                 needed[by_id[token].digest] = by_id[token]
         return list(needed.values())
 
@@ -159,6 +169,16 @@ class ImageEncodes:
         future: Future = Future()
         self._jobs.put((future, lambda: {i.digest: vision.features(i) for i in images}))
         return future
+
+
+def batch_caches(loaded: Any, cache: list[Any] | None) -> list[list[Any]] | None:
+    """What the worker inserts into the batch for a sequence whose state is `cache`
+    (None: the batch makes one). An M-RoPE model's caches all merge with their
+    sequence's rope delta: mlx-lm merges through the first, which may be any of them."""
+    vision = loaded.vision if loaded is not None else None
+    if vision is None or vision.qwen is None:
+        return [cache] if cache is not None else None
+    return [mrope.joining(cache if cache is not None else make_prompt_cache(loaded.model))]
 
 
 def _encode_jobs(jobs: queue.SimpleQueue) -> None:

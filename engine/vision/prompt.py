@@ -43,9 +43,14 @@ def real_tokens(tokens: Sequence[int]) -> list[int]:
 class ImageTokens:
     """How a model writes an image into its prompt."""
 
-    text: str  # the whole sequence one image becomes, placeholders included
-    token_id: int  # the placeholder's id: the positions the features fill
-    count: int  # placeholders per image
+    before: str  # the markup before the placeholders
+    placeholder: str  # the placeholder token's text: the positions the features fill
+    after: str  # the markup after them
+    token_id: int  # the placeholder's id
+
+    def text(self, count: int) -> str:
+        """The whole sequence an image of `count` placeholders becomes."""
+        return f"{self.before}{self.placeholder * count}{self.after}"
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,9 @@ class ImagePrompt:
 
     images: Sequence[Image]
     tokens: ImageTokens
+    # Placeholders per image: fixed for Gemma 3, the image's size for Qwen
+    # (vision/tower.py VisionModel.count).
+    counts: Sequence[int]
 
     def expand(self, text: str) -> str:
         """The rendered prompt with each SENTINEL made the model's image sequence."""
@@ -64,7 +72,8 @@ class ImagePrompt:
                 f"the chat template rendered {len(parts) - 1} of the request's "
                 f"{len(self.images)} images"
             )
-        return self.tokens.text.join(parts)
+        texts = [self.tokens.text(n) for n in self.counts]
+        return parts[0] + "".join(t + part for t, part in zip(texts, parts[1:], strict=True))
 
     def mark(self, ids: list[int]) -> list[int]:
         """The prompt's ids with each image's first placeholder made its virtual id."""
@@ -80,7 +89,7 @@ class ImagePrompt:
             else:
                 i += 1
         lengths = [j - i for i, j in runs]
-        if lengths != [self.tokens.count] * len(self.images):
+        if lengths != list(self.counts):
             # The client's text held the model's image markup of its own.
             raise ImageError(
                 "the prompt's image tokens do not match its images (does the text hold "

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map
@@ -19,6 +20,16 @@ from flashserve.engine.weights.synthetic import ARCHITECTURES, build_tokenizer
 
 log = logging.getLogger(__name__)
 
+# What both processors do to pixels: resized, scaled to [0, 1], normalized to [-1, 1].
+_PIXELS = {
+    "do_resize": True,
+    "do_rescale": True,
+    "rescale_factor": 1 / 255,
+    "do_normalize": True,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+    "do_convert_rgb": True,
+}
 GEMMA3_IMAGE_TOKENS = ("<start_of_image>", "<image_soft_token>", "<end_of_image>")
 
 
@@ -77,24 +88,11 @@ def make_gemma3_vlm(
     model_config.text_config = gemma3.TextConfig.from_dict(text)
     model_config.vision_config = gemma3.VisionConfig.from_dict(vision)
     mx.random.seed(seed)
-    model = gemma3.Model(model_config)
-    # As weights/synthetic.py: every parameter perturbed, so wrong weights show.
-    model.update(tree_map(lambda p: p + 0.02 * mx.random.normal(p.shape), model.parameters()))
-    weights = dict(tree_flatten(model.parameters()))
-    mx.eval(weights)
-    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
-    with open(out / "config.json", "w") as f:
-        json.dump(config, f, indent=2)
+    _write(out, gemma3.Model(model_config), config)
     processor = {
         "image_processor_type": "Gemma3ImageProcessor",
         "size": {"height": image_size, "width": image_size},
-        "do_resize": True,
-        "do_rescale": True,
-        "rescale_factor": 1 / 255,
-        "do_normalize": True,
-        "image_mean": [0.5, 0.5, 0.5],
-        "image_std": [0.5, 0.5, 0.5],
-        "do_convert_rgb": True,
+        **_PIXELS,
         "do_pan_and_scan": False,
         "resample": 2,
     }
@@ -102,3 +100,175 @@ def make_gemma3_vlm(
         json.dump(processor, f, indent=2)
     log.info("wrote a gemma3 vision-language model to %s", out)
     return out
+
+
+def _write(out: Path, model: Any, config: dict) -> None:
+    """The model's weights (mlx-vlm's names) and config.json."""
+    # As weights/synthetic.py: every parameter perturbed, so wrong weights show.
+    model.update(tree_map(lambda p: p + 0.02 * mx.random.normal(p.shape), model.parameters()))
+    weights = dict(tree_flatten(model.parameters()))
+    mx.eval(weights)
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    with open(out / "config.json", "w") as f:
+        json.dump(config, f, indent=2)
+
+
+QWEN_IMAGE_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>")
+
+
+def make_qwen3_5_vlm(
+    out: str | Path, *, seed: int = 0, moe: bool = False, max_pixels: int = 96 * 96
+) -> Path:
+    """A Qwen3.5 vision-language model (`moe`: Qwen3.5-MoE): 4 text layers, gated
+    delta-net and full attention alternating (heads of 32, a quarter rotated by
+    M-RoPE), a 2-layer tower on 16-pixel patches merged 2 x 2; Qwen's image processor
+    sizes an image to at most `max_pixels`, so a 64 x 96 image is 2 x 3 tokens."""
+    from mlx_vlm.models import qwen3_5, qwen3_5_moe
+
+    family = qwen3_5_moe if moe else qwen3_5
+    kind = "qwen3_5_moe" if moe else "qwen3_5"
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    vocab = build_tokenizer(out, extra_special_tokens=QWEN_IMAGE_TOKENS)
+    with open(out / "tokenizer.json") as f:
+        ids = {t["content"]: t["id"] for t in json.load(f)["added_tokens"]}
+    text = {
+        "model_type": f"{kind}_text",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": vocab,
+        "max_position_embeddings": 4096,
+        "linear_num_value_heads": 4,
+        "linear_num_key_heads": 2,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_conv_kernel_dim": 4,
+        "full_attention_interval": 2,
+        "tie_word_embeddings": False,
+        "rope_parameters": {
+            "rope_type": "default",
+            "mrope_section": [2, 1, 1],  # of the 4 frequencies a quarter of 32 rotates
+            "mrope_interleaved": True,
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.25,
+        },
+    }
+    if moe:
+        text.update(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=64,
+            decoder_sparse_step=1,
+            norm_topk_prob=True,
+        )
+    vision = {
+        "model_type": kind,
+        "depth": 2,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "out_hidden_size": 64,
+        "num_heads": 2,
+        "patch_size": 16,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "num_position_embeddings": 64,
+        "in_channels": 3,
+        "deepstack_visual_indexes": [],
+    }
+    config = {
+        "model_type": kind,
+        "text_config": text,
+        "vision_config": vision,
+        "image_token_id": ids["<|image_pad|>"],
+        "video_token_id": ids["<|video_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"],
+        "vision_end_token_id": ids["<|vision_end|>"],
+        "vocab_size": vocab,
+        "eos_token_id": ids["<|im_end|>"],
+        "tie_word_embeddings": False,
+    }
+    model_config = family.ModelConfig.from_dict(config)
+    model_config.text_config = family.TextConfig.from_dict(text)
+    model_config.vision_config = family.VisionConfig.from_dict(vision)
+    mx.random.seed(seed)
+    _write(out, family.Model(model_config), config)
+    _qwen_processor(out, 16, max_pixels)
+    log.info("wrote a %s vision-language model to %s", kind, out)
+    return out
+
+
+def make_qwen2_5_vl(out: str | Path, *, seed: int = 0, max_pixels: int = 84 * 84) -> Path:
+    """A Qwen2.5-VL model: 4 qwen2 text layers (heads of 32, every dimension rotated
+    by M-RoPE in Qwen2.5-VL's chunked sections), a 2-layer windowed tower on
+    14-pixel patches merged 2 x 2; a 56 x 84 image is 2 x 3 tokens."""
+    from mlx_vlm.models import qwen2_5_vl
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    vocab = build_tokenizer(out, extra_special_tokens=QWEN_IMAGE_TOKENS)
+    with open(out / "tokenizer.json") as f:
+        ids = {t["content"]: t["id"] for t in json.load(f)["added_tokens"]}
+    vision = {
+        "model_type": "qwen2_5_vl",
+        "depth": 2,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "out_hidden_size": 64,
+        "num_heads": 2,
+        "patch_size": 14,
+        "spatial_patch_size": 14,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "window_size": 56,  # 2 x 2 merged tokens a window: a 2 x 3 image has two
+        "fullatt_block_indexes": [1],
+        "in_channels": 3,
+    }
+    config = {  # Qwen2.5-VL's config.json: the text model's settings at the top
+        "model_type": "qwen2_5_vl",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": vocab,
+        "max_position_embeddings": 4096,
+        "rope_theta": 10000.0,
+        "rope_scaling": {"type": "mrope", "mrope_section": [4, 6, 6]},
+        "tie_word_embeddings": False,
+        "vision_config": vision,
+        "image_token_id": ids["<|image_pad|>"],
+        "video_token_id": ids["<|video_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"],
+        "vision_end_token_id": ids["<|vision_end|>"],
+        "eos_token_id": ids["<|im_end|>"],
+    }
+    model_config = qwen2_5_vl.ModelConfig.from_dict(dict(config))
+    model_config.text_config = qwen2_5_vl.TextConfig.from_dict(model_config.text_config)
+    model_config.vision_config = qwen2_5_vl.VisionConfig.from_dict(vision)
+    mx.random.seed(seed)
+    _write(out, qwen2_5_vl.Model(model_config), config)
+    _qwen_processor(out, 14, max_pixels)
+    log.info("wrote a qwen2_5_vl vision-language model to %s", out)
+    return out
+
+
+def _qwen_processor(out: Path, patch: int, max_pixels: int) -> None:
+    """transformers' Qwen2VLImageProcessor (its PIL twin: no torch)."""
+    processor = {
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "patch_size": patch,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+        "size": {"shortest_edge": (2 * patch) ** 2, "longest_edge": max_pixels},
+        **_PIXELS,
+        "resample": 3,
+    }
+    with open(out / "preprocessor_config.json", "w") as f:
+        json.dump(processor, f, indent=2)

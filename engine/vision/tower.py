@@ -20,6 +20,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
+from flashserve.engine.vision import mrope, qwen
 from flashserve.engine.vision.images import Image
 from flashserve.engine.vision.prompt import ImagePrompt, ImageTokens
 from flashserve.engine.weights.layout import LANGUAGE_PREFIXES, VISION_FILE
@@ -27,10 +28,10 @@ from flashserve.engine.weights.layout import LANGUAGE_PREFIXES, VISION_FILE
 log = logging.getLogger(__name__)
 
 INSTALL = "pip install 'flashserve[vision]'"
-# Architectures whose language model mlx-lm runs with `input_embeddings` and plain
-# positions. Qwen-VL and Qwen3.5 place image tokens by 3-D (M-RoPE) positions that
-# mlx-lm's language models do not take: left out until they do (docs/guides/images.md).
-ARCHITECTURES = ("gemma3",)
+# Architectures whose language model mlx-lm runs with `input_embeddings`: Gemma 3
+# with plain positions, Qwen3.5 with M-RoPE's given through the caches' offsets
+# (vision/mrope.py). Why others are left out: docs/guides/images.md.
+ARCHITECTURES = ("gemma3", *qwen.ARCHITECTURES)
 
 
 class VisionError(Exception):
@@ -76,20 +77,38 @@ class VisionModel:
         self.kind = config["model_type"]
         self.model, self.config = _load_parts(path)
         params = [*self.model.vision_tower.parameters().values()]
-        params.append(self.model.multi_modal_projector.parameters())
+        if (projector := getattr(self.model, "multi_modal_projector", None)) is not None:
+            params.append(projector.parameters())  # Qwen's merger is the tower's own
         mx.eval(params)
         self.weight_bytes = sum(a.nbytes for _, a in tree_flatten(params))
         self.processor = processor_class.from_pretrained(str(path), backend="pil")
-        self.tokens = _gemma3_tokens(self.config, tokenizer)
+        # Qwen: its images' processing, tower and M-RoPE positions; None for Gemma 3.
+        self.qwen = (
+            qwen.QwenImages(self.model, self.processor) if self.kind in qwen.ARCHITECTURES else None
+        )
+        if self.qwen is not None:
+            self.tokens = qwen.image_tokens(self.config, tokenizer)
+        else:
+            self.tokens = _gemma3_tokens(self.config, tokenizer)
         self._lock = threading.Lock()  # the counters: /metrics reads them
         self.encodes = 0  # images run through the tower (a cached one is not)
         self.encode_seconds = 0.0
-        log.info(
-            "vision tower of %s loaded in %.1fs (%d tokens per image)",
-            self.kind,
-            time.perf_counter() - started,
-            self.tokens.count,
-        )
+        log.info("vision tower of %s loaded in %.1fs", self.kind, time.perf_counter() - started)
+
+    def attach(self, layers: list[Any]) -> None:
+        """Give the language model's attention layers the images' positions (M-RoPE)."""
+        if self.qwen is not None and not mrope.install(layers, self.qwen.rotary):
+            raise VisionError(f"{self.kind}: no attention layer with a rope to give positions")
+
+    def count(self, image: Image) -> int:
+        """The image's placeholder tokens in a prompt."""
+        if self.qwen is not None:
+            return self.qwen.count(image)
+        return int(self.config.text_config.mm_tokens_per_image)
+
+    def positions(self, prompt: list[int], images: list[Image]) -> mrope.Positions | None:
+        """The prompt's M-RoPE positions (Qwen); None where positions are plain."""
+        return self.qwen.positions(prompt, images) if self.qwen is not None else None
 
     def report(self) -> dict[str, float]:
         """For /memory: the tower's resident weights and what it encoded."""
@@ -101,13 +120,16 @@ class VisionModel:
             }
 
     def prompt(self, images: list[Image]) -> ImagePrompt:
-        return ImagePrompt(images, self.tokens)
+        return ImagePrompt(images, self.tokens, [self.count(i) for i in images])
 
     def features(self, image: Image) -> mx.array:
         """(tokens per image, hidden) rows that take the image's placeholders' place."""
         started = time.perf_counter()
-        pixels = self.processor(images=[image.pixels], return_tensors="np")["pixel_values"]
-        rows = self._gemma3(mx.array(np.asarray(pixels)))
+        if self.qwen is not None:
+            rows = self.qwen.features(image)
+        else:
+            pixels = self.processor(images=[image.pixels], return_tensors="np")["pixel_values"]
+            rows = self._gemma3(mx.array(np.asarray(pixels)))
         mx.eval(rows)
         with self._lock:
             self.encodes += 1
@@ -128,12 +150,11 @@ class VisionModel:
 
 def _gemma3_tokens(config: Any, tokenizer: Any) -> ImageTokens:
     """Gemma3Processor's full_image_sequence, from the model's own token ids."""
-    count = config.text_config.mm_tokens_per_image
     image, boi, eoi = (
         tokenizer.convert_ids_to_tokens(i)
         for i in (config.image_token_index, _config_id(config, "boi"), _config_id(config, "eoi"))
     )
-    return ImageTokens(f"\n\n{boi}{image * count}{eoi}\n\n", config.image_token_index, count)
+    return ImageTokens(f"\n\n{boi}", image, f"{eoi}\n\n", config.image_token_index)
 
 
 def _config_id(config: Any, name: str) -> int:

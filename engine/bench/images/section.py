@@ -142,7 +142,7 @@ def run(work_dir: Path, *, quick: bool) -> dict[str, Any]:
         for name, t in (("cold", cold), ("first turn", first), ("next turn", following))
     ]
     print_table(
-        f"Images: one {image.width}x{image.height} image, {vision.tokens.count} tokens "
+        f"Images: one {image.width}x{image.height} image, {vision.count(image)} tokens "
         "(random Gemma 3 vision-language model)",
         ["turn", "prompt tokens", "encode s", "TTFT s", "cached tokens"],
         rows,

@@ -1,0 +1,184 @@
+"""M-RoPE: Qwen's three-part positions, given to mlx-lm's language model.
+
+Qwen's vision-language models give an image's tokens a position in three
+parts (time, row, column: the image's start plus its token's t, h, w) and
+the text after an image the position after the image's largest, not after
+its last token: past an image of h x w tokens the positions run
+h*w - max(h, w) behind the token count (the rope delta). mlx-vlm computes
+them (its language model's get_rope_index, vision/tower.py calls it);
+mlx-lm's language model, which flashserve runs, rotates a token by its
+index, `offset` + i, where `offset` is the cache's. The positions therefore
+travel where mlx-lm passes positions, the cache's offset:
+
+- A prompt with images is prefilled by flashserve (generation/shared_prefill.py
+  and prefill.py, through vision/embed.py). `place` makes each attention
+  cache's offset a RopeOffset: still the int mlx-lm reads and writes, which
+  also carries the prompt's positions and stays one as the cache grows.
+  `MRope`, installed over each attention's rope, rotates a call's rows at
+  their positions: text at its position by mlx-lm's own rope (one call per
+  run), image tokens by mlx-vlm's M-RoPE (the model's own section layout),
+  tokens past the prompt at offset + delta. Which way a token goes is a
+  function of its index alone, so a prompt gives the same keys in any
+  chunking, with a cached prefix or cold.
+- In the batch (mlx-lm's BatchKVCache) the offset is an array per sequence
+  that only RoPE reads. Each cache the worker inserts merges with `_merge`,
+  which adds its sequence's delta to that array as the sequence joins;
+  filtering, extending and speculative rollback keep it, so every decode step
+  (compiled or not) rotates at offset + delta.
+- The prompt cache keeps states whose offsets are plain again; the next
+  turn's prefill places its own prompt's positions (the images are its own).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+
+class Positions:
+    """A prompt's M-RoPE positions (3, L), as runs: text with consecutive positions
+    (one mlx-lm rope call each) and image tokens (mlx-vlm's M-RoPE)."""
+
+    def __init__(self, table: np.ndarray) -> None:
+        self.length = int(table.shape[1])
+        # As mlx-vlm's get_rope_index: positions past the prompt are offset + delta.
+        self.delta = int(table.max()) + 1 - self.length if self.length else 0
+        self.table = mx.array(table[:, None, :].astype(np.int32))  # (3, 1, L)
+        self.first = table[0].tolist()
+        plain = (table[0] == table[1]) & (table[1] == table[2])
+        self.runs: list[tuple[int, int, bool]] = []  # [start, end), text
+        for i in range(self.length):
+            last = self.runs[-1] if self.runs else None
+            joins = (
+                last is not None
+                and last[2] == bool(plain[i])
+                and (not plain[i] or self.first[i] == self.first[i - 1] + 1)
+            )
+            if joins:
+                self.runs[-1] = (last[0], i + 1, last[2])  # type: ignore[index]
+            else:
+                self.runs.append((i, i + 1, bool(plain[i])))
+
+    def rotate(self, mrope: MRope, x: mx.array, offset: int) -> mx.array:
+        """x's rows (tokens offset .. offset + L) rotated at their positions."""
+        end = offset + x.shape[-2]
+        pieces = []
+        for start, stop, text in self.runs:
+            lo, hi = max(start, offset), min(stop, end)
+            if lo >= hi:
+                continue
+            rows = x[..., lo - offset : hi - offset, :]
+            if text:
+                pieces.append(mrope.rope(rows, offset=self.first[lo]))
+            else:
+                rotated, _ = mrope.rotary.apply_rotary(rows, rows, self.table[:, :, lo:hi])
+                pieces.append(rotated)
+        if end > self.length:  # past the prompt: the decode's positions
+            lo = max(offset, self.length)
+            pieces.append(mrope.rope(x[..., lo - offset :, :], offset=lo + self.delta))
+        return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=-2)
+
+
+class RopeOffset(int):
+    """A cache's offset, the int mlx-lm reads, carrying its prompt's Positions."""
+
+    positions: Positions
+
+    def __new__(cls, value: int, positions: Positions) -> RopeOffset:
+        out = super().__new__(cls, value)
+        out.positions = positions
+        return out
+
+    def __add__(self, other: Any) -> Any:
+        # The cache grows by `offset += n`: still the prompt's.
+        if type(other) is int:
+            return RopeOffset(int(self) + other, self.positions)
+        return int(self) + other
+
+    __radd__ = __add__
+
+    def __copy__(self) -> RopeOffset:
+        return self  # immutable: copies of a cache share it
+
+    def __deepcopy__(self, memo: dict) -> RopeOffset:
+        return self
+
+    def __reduce__(self) -> tuple:
+        return (int, (int(self),))  # anything serialized sees a plain offset
+
+    @property
+    def delta(self) -> int:
+        """What the batch adds to this sequence's offset (past the prompt's end)."""
+        return self.positions.delta if self >= self.positions.length else 0
+
+
+class MRope(nn.Module):
+    """An attention's rope: mlx-lm's, and the prompt's positions where its cache has them."""
+
+    def __init__(self, rope: nn.Module, rotary: Any) -> None:
+        super().__init__()
+        # Underscored: neither is a parameter, and weights loaded by name skip them.
+        self._rope, self._rotary = rope, rotary
+
+    @property
+    def rope(self) -> nn.Module:
+        return self._rope
+
+    @property
+    def rotary(self) -> Any:
+        return self._rotary
+
+    def __call__(self, x: mx.array, offset: Any = 0) -> mx.array:
+        if isinstance(offset, RopeOffset):
+            return offset.positions.rotate(self, x, int(offset))
+        return self._rope(x, offset=offset)  # the batch's offsets hold the deltas
+
+
+def install(layers: Sequence[nn.Module], rotary: Any) -> int:
+    """Put MRope over each attention's rope in `layers`; how many attentions took it."""
+    count = 0
+    for layer in layers:
+        attention = getattr(layer, "self_attn", None)
+        rope = getattr(attention, "rope", None)
+        if rope is None:
+            continue  # a linear-attention layer (gated delta-net): no positions
+        if not isinstance(rope, MRope):
+            attention.rope = MRope(rope, rotary)
+        count += 1
+    return count
+
+
+def _positional(cache: Any) -> bool:
+    return isinstance(cache, (KVCache, QuantizedKVCache))
+
+
+def place(cache: list[Any], positions: Positions) -> None:
+    """Give each attention cache of a prompt's `cache` the prompt's positions."""
+    for c in cache:
+        if _positional(c):
+            c.offset = RopeOffset(int(c.offset), positions)
+
+
+def joining(cache: list[Any]) -> list[Any]:
+    """`cache` made to merge into a batch with its rope delta (in place)."""
+    for c in cache:
+        if _positional(c):
+            # An instance attribute: mlx-lm merges a batch's caches through the
+            # first sequence's `merge`, and every sequence joining carries this one.
+            c.merge = _merge
+    return cache
+
+
+def _merge(caches: list[Any]) -> Any:
+    batch = type(caches[0]).merge(caches)
+    deltas = [c.offset.delta if isinstance(c.offset, RopeOffset) else 0 for c in caches]
+    if any(deltas):
+        shift = mx.array(deltas)
+        for part in getattr(batch, "parts", None) or [batch]:  # kv_bits: three parts
+            part.offset = part.offset + shift
+    return batch

@@ -1,0 +1,90 @@
+"""Qwen's images (qwen3_5, qwen3_5_moe, qwen2_5_vl), through mlx-vlm's model of them.
+
+An image becomes "<|vision_start|>" + one "<|image_pad|>" per token +
+"<|vision_end|>", as Qwen's processor writes it. Unlike Gemma 3 the count
+follows the image's size: the image processor (transformers') resizes it to
+a multiple of patch x merge pixels within its pixel bounds, the tower cuts
+it into `grid` patches (t, h, w) and merges merge x merge of them into one
+token. The tokens' positions are M-RoPE's (vision/mrope.py), computed by
+mlx-vlm's language model from the prompt and the grids.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from flashserve.engine.vision.images import Image
+from flashserve.engine.vision.mrope import Positions
+from flashserve.engine.vision.prompt import ImageTokens, real_tokens
+
+ARCHITECTURES = ("qwen3_5", "qwen3_5_moe", "qwen2_5_vl")
+_GRIDS_KEPT = 256  # images whose grid is remembered (a prompt's count and its positions)
+
+
+def image_tokens(config: Any, tokenizer: Any) -> ImageTokens:
+    start, pad, end = tokenizer.convert_ids_to_tokens(
+        [config.vision_start_token_id, config.image_token_id, config.vision_end_token_id]
+    )
+    return ImageTokens(start, pad, end, config.image_token_id)
+
+
+class QwenImages:
+    """A Qwen model's image side: processing, tower, positions."""
+
+    def __init__(self, model: Any, processor: Any) -> None:
+        self.model, self.processor = model, processor
+        self.merge = int(model.config.vision_config.spatial_merge_size)
+        self._grids: OrderedDict[str, tuple[int, int, int]] = OrderedDict()
+        self._lock = threading.Lock()  # the server's threads ask for counts, the worker's too
+        self.rotary = _rotary(model)
+
+    def _processed(self, image: Image) -> tuple[np.ndarray, tuple[int, int, int]]:
+        out = self.processor(images=[image.pixels], return_tensors="np")
+        t, h, w = (int(v) for v in np.asarray(out["image_grid_thw"])[0])
+        with self._lock:
+            self._grids[image.digest] = (t, h, w)
+            while len(self._grids) > _GRIDS_KEPT:
+                self._grids.popitem(last=False)
+        return np.asarray(out["pixel_values"]), (t, h, w)
+
+    def grid(self, image: Image) -> tuple[int, int, int]:
+        with self._lock:
+            known = self._grids.get(image.digest)
+        return known if known is not None else self._processed(image)[1]
+
+    def count(self, image: Image) -> int:
+        t, h, w = self.grid(image)
+        return t * (h // self.merge) * (w // self.merge)
+
+    def features(self, image: Image) -> mx.array:
+        """(tokens, hidden): the tower's merged patches (mlx-vlm's get_input_embeddings)."""
+        pixels, grid = self._processed(image)
+        tower = self.model.vision_tower
+        dtype = tower.patch_embed.proj.weight.dtype
+        rows = tower(mx.array(pixels).astype(dtype), mx.array([grid]))
+        return rows[0] if isinstance(rows, tuple) else rows  # Qwen3.5's: (rows, deepstack)
+
+    def positions(self, prompt: Sequence[int], images: Sequence[Image]) -> Positions:
+        """The prompt's M-RoPE positions, as mlx-vlm's language model computes them."""
+        ids = mx.array([real_tokens(prompt)])
+        grids = mx.array([self.grid(i) for i in images]) if images else None
+        table, _ = self.model.language_model.get_rope_index(ids, grids)
+        table = np.asarray(table)
+        if table.ndim == 2:  # no image in the prompt: one position per token
+            table = np.broadcast_to(table, (3, *table.shape))
+        return Positions(table[:, 0, :])
+
+
+def _rotary(model: Any) -> Any:
+    """mlx-vlm's M-RoPE of its language model's attention (the model's section layout)."""
+    for _, module in model.language_model.named_modules():
+        rotary = getattr(module, "rotary_emb", None)
+        if rotary is not None and hasattr(rotary, "apply_rotary"):
+            return rotary
+    raise TypeError(f"{type(model).__module__}: no M-RoPE rotary embedding found")

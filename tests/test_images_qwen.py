@@ -1,0 +1,310 @@
+"""Images in on Qwen3.5: M-RoPE positions through mlx-lm's language model, served for real.
+
+A tiny random Qwen3.5 vision-language model (gated delta-net and full
+attention layers, a quarter of each head rotated by M-RoPE) is built in
+mlx-vlm's format with Qwen's real image processor (engine/vision/synthetic.py).
+Its image tokens have three-part positions and the text after an image runs
+behind the token count (the rope delta): vision/mrope.py gives them to
+mlx-lm's model. Two things are judged. Against mlx-vlm's own model of the
+same weights: the first token's logits and a greedy answer (decoded in the
+batch, where the delta lives in the offsets) are mlx-vlm's. From outside,
+as tests/test_images.py does for Gemma 3: the same image gives the same
+tokens through every API, every way the layers are held (resident or
+streamed, alone or batched, kv_bits), and as the next turn from the prompt
+cache (as a cold prefill of the whole conversation gives).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import pytest
+
+from .conftest import NO_EOS, Server, start_server, stop_server
+from .test_images import (
+    QUESTION,
+    at_once,
+    b64,
+    data_url,
+    encoded,
+    image_part,
+    png,
+    prepare,
+)
+
+pytest.importorskip("mlx_vlm", reason="the vision extra: pip install 'flashserve[vision]'")
+
+OUT = 12  # greedy tokens compared
+WIDE, TALL = (64, 96), (96, 64)  # pixels (rows, columns): 2 x 3 and 3 x 2 tokens
+# Greedy answers never end (EOS) nor write Qwen's image markup: a random model's
+# "<|image_pad|>" in an answer would be image markup in the next turn's history.
+BIAS = dict(NO_EOS)
+
+
+@pytest.fixture(scope="module")
+def vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transformers import AutoTokenizer
+
+    from flashserve.engine.vision.synthetic import QWEN_IMAGE_TOKENS, make_qwen3_5_vlm
+
+    out = make_qwen3_5_vlm(tmp_path_factory.mktemp("models") / "tiny-qwen3_5-vlm")
+    markup = AutoTokenizer.from_pretrained(str(out)).convert_tokens_to_ids(QWEN_IMAGE_TOKENS)
+    BIAS.update({str(i): -100 for i in markup})
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(vlm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    running = start_server(
+        vlm_dir, tmp_path_factory.mktemp("qwen-server"), "--prompt-cache-bytes", "64000000"
+    )
+    yield running
+    stop_server(running)
+
+
+def chat(
+    server: Server, content: Any, history: tuple[dict[str, Any], ...] = (), bias: Any = BIAS
+) -> Any:
+    return server.client().chat.completions.create(
+        model=server.model_id,
+        messages=[*history, {"role": "user", "content": content}],
+        max_tokens=OUT,
+        temperature=0,
+        logit_bias=bias,
+    )
+
+
+def ask_about(data: bytes) -> list[dict[str, Any]]:
+    return [QUESTION, image_part(data), {"type": "text", "text": "Say more."}]
+
+
+# -- against mlx-vlm's model --------------------------------------------------------
+
+
+def _prompt(loaded: Any, images: list[Any], text: str) -> list[int]:
+    from flashserve.engine.vision.prompt import SENTINEL
+
+    turn = [{"role": "user", "content": text.replace("IMAGE", SENTINEL)}]
+    prompt = loaded.vision.prompt(images)
+    rendered = loaded.tokenizer.apply_chat_template(
+        turn, tokenize=False, add_generation_prompt=True
+    )
+    return prompt.mark(loaded.tokenizer.encode(prompt.expand(rendered), add_special_tokens=False))
+
+
+def _reference(vlm_dir: Path, loaded: Any, prompt: list[int], images: list[Any], n: int) -> Any:
+    """mlx-vlm's whole model (its own positions): the first logits and n greedy tokens
+    with their logprobs, each from a forward pass over the prompt and the tokens before it."""
+    import mlx.core as mx
+    import numpy as np
+    from mlx_vlm import load
+
+    from flashserve.engine.vision.prompt import real_tokens
+
+    model, _ = load(str(vlm_dir))
+    out = loaded.vision.processor(images=[i.pixels for i in images], return_tensors="np")
+    pixels, grids = mx.array(np.asarray(out["pixel_values"])), mx.array(out["image_grid_thw"])
+    ids, first, tokens = real_tokens(prompt), None, []
+    for _ in range(n):
+        inputs = mx.array([ids])
+        logits = model(inputs, pixel_values=pixels, image_grid_thw=grids, mask=mx.ones_like(inputs))
+        last = logits.logits[0, -1]
+        first = last if first is None else first
+        token = int(mx.argmax(last).item())
+        tokens.append((token, (last[token] - mx.logsumexp(last)).item()))
+        ids.append(token)
+    return first, tokens
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from flashserve.engine.vision.synthetic import make_qwen3_5_vlm
+
+    return make_qwen3_5_vlm(tmp_path_factory.mktemp("models") / "tiny-qwen3_5_moe", moe=True)
+
+
+@pytest.fixture(scope="module")
+def qwen2_5_vl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from flashserve.engine.vision.synthetic import make_qwen2_5_vl
+
+    return make_qwen2_5_vl(tmp_path_factory.mktemp("models") / "tiny-qwen2_5_vl")
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_moe", "qwen2_5_vl"])
+def test_positions_and_decode_are_mlx_vlms(kind: str, request: pytest.FixtureRequest) -> None:
+    """The prefill's logits are mlx-vlm's to float rounding (without M-RoPE they are
+    not), and the greedy answer, decoded in the batch at offset + rope delta, is
+    mlx-vlm's answer token for token, beside a text request too."""
+    fixture = {"qwen3_5": "vlm_dir", "qwen3_5_moe": "moe_dir"}.get(kind, f"{kind}_dir")
+    vlm_dir = request.getfixturevalue(fixture)
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from flashserve.engine.config import EngineConfig
+    from flashserve.engine.generation.requests import GenerationRequest, SamplingParams
+    from flashserve.engine.generation.shared_prefill import prefill_alone
+    from flashserve.engine.generation.worker import Engine
+    from flashserve.engine.vision.embed import image_embedder
+    from flashserve.engine.vision.images import decode_image
+
+    engine = Engine(EngineConfig(model=str(vlm_dir), max_batch=4))
+    engine.start()
+    assert engine.wait_ready(120), engine.load_error
+    try:
+        loaded = engine.loaded
+        images = [decode_image(png(1, WIDE), 1 << 20), decode_image(png(2, TALL), 1 << 20)]
+        assert [loaded.vision.count(i) for i in images] == [6, 6]
+        prompt = _prompt(loaded, images, "Compare IMAGE with IMAGE, then tell me more.")
+        positions = loaded.vision.positions(prompt, images)
+        assert positions.delta == -6  # each image: 6 tokens, positions advance by 3
+
+        def first_logits(place: bool) -> mx.array:
+            cache = make_prompt_cache(loaded.model)
+            embed = image_embedder(loaded, prompt, images, None, cache if place else None)
+            return prefill_alone(loaded.model, prompt, cache, 0, 7, embed=embed)
+
+        reference, tokens = _reference(vlm_dir, loaded, prompt, images, OUT)
+        assert mx.abs(first_logits(True) - reference).max().item() < 1e-4
+        assert mx.abs(first_logits(False) - reference).max().item() > 1e-2
+        greedy = SamplingParams(temperature=0)
+        story = loaded.tokenizer.apply_chat_template([{"role": "user", "content": "A story."}])
+
+        async def tokens_of(request: GenerationRequest) -> list[tuple[int, float]]:
+            events = [e async for e in engine.submit(request)]
+            return [(e.token, e.logprob) for e in events if hasattr(e, "token")]
+
+        async def both() -> list[list[int]]:
+            return await asyncio.gather(
+                tokens_of(GenerationRequest(prompt, OUT, greedy, images=images, logprobs=0)),
+                tokens_of(GenerationRequest(story, OUT, greedy, logprobs=0)),
+            )
+
+        alone = asyncio.run(
+            tokens_of(GenerationRequest(prompt, OUT, greedy, images=images, logprobs=0))
+        )
+        together, _ = asyncio.run(both())
+    finally:
+        engine.shutdown()
+    # Token for token; each logprob mlx-vlm's to float rounding (a decode at the
+    # wrong position moves them by more than 1e-3 while keeping most tokens).
+    for answer in (alone, together):
+        assert [t for t, _ in answer] == [t for t, _ in tokens]
+        assert max(abs(a - b) for (_, a), (_, b) in zip(answer, tokens, strict=True)) < 1e-4
+
+
+# -- served ---------------------------------------------------------------------------
+
+
+def test_the_image_reaches_the_model_through_every_api(server: Server) -> None:
+    wide, tall = png(3, WIDE), png(3, TALL)
+    first, other = chat(server, ask_about(wide), bias=None), chat(server, ask_about(tall))
+    assert first.usage.completion_tokens > 0  # Messages has no logit_bias: compared without
+    assert first.choices[0].message.content != other.choices[0].message.content
+    text = chat(server, [QUESTION, {"type": "text", "text": "Say more."}])
+    # The image's 6 tokens and its markup are the prompt's.
+    assert first.usage.prompt_tokens >= text.usage.prompt_tokens + 8
+    sdk = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0)
+    source = {"type": "base64", "media_type": "image/png", "data": b64(wide)}
+    message = sdk.messages.create(
+        model=server.model_id,
+        max_tokens=OUT,
+        messages=[{"role": "user", "content": [QUESTION, {"type": "image", "source": source},
+                                               {"type": "text", "text": "Say more."}]}],
+        extra_body={"temperature": 0},
+    )  # fmt: skip
+    assert message.content[0].text == first.choices[0].message.content  # type: ignore[union-attr]
+    parts = [{"type": "input_text", "text": QUESTION["text"]},
+             {"type": "input_image", "image_url": data_url(wide)},
+             {"type": "input_text", "text": "Say more."}]  # fmt: skip
+    response = server.client().responses.create(
+        model=server.model_id,
+        input=[{"role": "user", "content": parts}],  # type: ignore[list-item]
+        max_output_tokens=OUT,
+        temperature=0,
+    )
+    assert response.output_text == first.choices[0].message.content
+
+
+def conversation(image: bytes, answer: str) -> tuple[dict[str, Any], ...]:
+    return (
+        {"role": "user", "content": ask_about(image)},
+        {"role": "assistant", "content": answer},
+    )
+
+
+FOLLOW_UP = "And its colours?"
+
+
+def test_next_turn_reuses_the_image_without_the_tower(server: Server) -> None:
+    image = png(4, WIDE)
+    first = chat(server, ask_about(image))
+    before = encoded(server)
+    second = chat(server, FOLLOW_UP, conversation(image, first.choices[0].message.content))
+    # Recurrent state (the gated delta-net layers) is reused only where it was stored:
+    # the first turn's prompt[:-1], its image inside (tests/test_prompt_cache.py).
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 1
+    assert encoded(server) == before
+    # A second image in the next turn: the first from the cache, the second encoded.
+    third = chat(
+        server,
+        [image_part(png(5, TALL)), {"type": "text", "text": FOLLOW_UP}],
+        (*conversation(image, first.choices[0].message.content),
+         {"role": "user", "content": FOLLOW_UP},
+         {"role": "assistant", "content": second.choices[0].message.content}),
+    )  # fmt: skip
+    assert third.usage.prompt_tokens_details.cached_tokens >= second.usage.prompt_tokens - 1
+    assert encoded(server) == before + 1
+
+
+def answers(server: Server, image: bytes, earlier: str | None) -> dict[str, str]:
+    """The image's answer alone, a text's, both in one batch, and (given the first
+    answer) the next turn, prefilled whole here: this server keeps no prompt cache."""
+
+    def say(content: Any, history: tuple[dict[str, Any], ...] = ()) -> str:
+        return chat(server, content, history).choices[0].message.content
+
+    out = {"alone": say(ask_about(image)), "text": say("Tell me a story.")}
+    out["image_batched"], out["text_batched"] = at_once(
+        lambda: say(ask_about(image)), lambda: say("Tell me a story.")
+    )
+    out["next_turn"] = say(FOLLOW_UP, conversation(image, earlier or out["alone"]))
+    return out
+
+
+def test_streamed_layers_batches_and_the_cache_give_the_same_tokens(
+    vlm_dir: Path, server: Server, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    workdir = tmp_path_factory.mktemp("qwen-streamed")
+    prepared = prepare(vlm_dir, workdir / "prepared")
+    image = png(6, WIDE)
+    # The next turn from the module's server, its first turn from the prompt cache.
+    first = chat(server, ask_about(image)).choices[0].message.content
+    cached_next = chat(server, FOLLOW_UP, conversation(image, first))
+    assert cached_next.usage.prompt_tokens_details.cached_tokens > 0
+    results = {}
+    for name, model, flags in (
+        ("resident", vlm_dir, ()),
+        ("streamed", prepared, ("--residency", "fixed", "--resident-layers", "0")),
+        ("kv_bits", vlm_dir, ("--kv-bits", "8", "--kv-group-size", "32")),
+    ):
+        (workdir / name).mkdir()
+        running = start_server(model, workdir / name, "--max-batch", "4", *flags)
+        try:
+            if name == "streamed":
+                assert running.http().get("/memory").json()["streamed_layers"]
+            results[name] = answers(running, image, first)
+        finally:
+            stop_server(running)
+    resident = results["resident"]
+    assert resident["alone"] == first
+    assert resident["image_batched"] == resident["alone"]
+    assert resident["text_batched"] == resident["text"]
+    assert resident["next_turn"] == cached_next.choices[0].message.content
+    assert results["streamed"] == resident
+    quantized = results["kv_bits"]
+    assert quantized["image_batched"] == quantized["alone"]
+    assert quantized["text_batched"] == quantized["text"]
