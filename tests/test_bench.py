@@ -322,6 +322,7 @@ def test_quick_agent_turn_section_prints_its_rows_and_bounds(tmp_path: Path) -> 
             "decode tok/s",
         ]
         assert all(_number(r["flashserve"]) > 0 and r["llama-server"] == "-" for r in rows), rows
+        assert all(_number(r["flashserve int8"]) > 0 for r in rows), rows  # int8 prompt rows
         assert int(rows[0]["what"].split("-")[0]) >= 160  # the cold prompt's tokens, counted
         assert int(rows[2]["what"].split()[0]) >= 100  # the conversation was reused
     for part in proc.stdout.split("Turns over HTTP, ")[1:]:

@@ -14,6 +14,11 @@ round by round, each request streamed over /v1/completions and timed by the clie
 Every round's prompts start with their own words, so no prefix is shared between the
 measured requests except the conversation and its next turn. The rows are the best of
 the rounds. The models: the default model and the 1.2B dense Q4_0 of the cap bench.
+
+A third server, flashserve with `--prompt-matmul int8` (prompt rows rounded to 8 bits as
+llama.cpp's Q8 rows are), runs beside them: int16, the default, stays within issue 57's
+accuracy bound and runs at half the integer rate, which a short prompt on the 1.2B model
+is bound by; the int8 column shows what the rate costs at llama.cpp's own accuracy.
 """
 
 from __future__ import annotations
@@ -47,6 +52,8 @@ LENGTHS = {"cold": 1160, "short": 57, "talk": 660, "decode": 64}  # the issue's 
 QUICK_LENGTHS = {"cold": 160, "short": 24, "talk": 100, "decode": 8}
 LLAMA_CONTEXT = 2048
 STARTUP_S = 600
+# Other flashserve servers measured beside the default one: their command-line flags.
+VARIANTS: dict[str, tuple[str, ...]] = {"flashserve int8": ("--prompt-matmul", "int8")}
 
 
 @dataclass
@@ -150,9 +157,10 @@ def measure_model(
     servers: dict[str, tuple[httpx.Client, int, bool]] = {}
     closers: list[Callable[[], None]] = []
     try:
-        ours = FlashServer(gguf, work / "flashserve")
-        closers.append(ours.close)
-        servers["flashserve"] = (ours.client, ours.proc.pid, False)
+        for name, args in {"flashserve": (), **VARIANTS}.items():
+            ours = FlashServer(gguf, work / name.replace(" ", "-"), args)
+            closers.append(ours.close)
+            servers[name] = (ours.client, ours.proc.pid, False)
         if binary is not None and binary.is_file():
             llama = LlamaServer(binary, gguf, LLAMA_CONTEXT, cores.usable())
             closers.append(llama.close)
@@ -188,19 +196,25 @@ def report(label: str, got: dict[str, Measured]) -> dict:
         # today" is the decode bench's to say); the ratio is here for the reader.
         ("decode tok/s", "decode_tps", "one stream", None),
     ]
+    variants = [v for v in VARIANTS if v in got]
     rows, targets = [], {}
     for name, attr, what, target in rows_spec:
         mine = getattr(ours, attr)
         other = getattr(theirs, attr) if theirs is not None else None
         ratio = mine / other if other else None
-        rows.append([name, what, mine, other if other is not None else "-", _ratio(mine, other)])
+        extra = [getattr(got[v], attr) for v in variants]
+        rows.append(
+            [name, what, mine, *extra, other if other is not None else "-", _ratio(mine, other)]
+            + [_ratio(e, other) for e in extra]
+        )
         if ratio is not None and target is not None:
             bound = float(target.split()[1].rstrip("x"))
             met = ratio >= bound if target.startswith(">=") else ratio <= bound
             targets[name] = {"ratio": ratio, "target": target, "met": met}
     print_table(
         f"Turns over HTTP, {label}: flashserve beside llama-server (best of rounds)",
-        ["measure", "what", "flashserve", "llama-server", "flashserve / llama-server"],
+        ["measure", "what", "flashserve", *variants, "llama-server", "flashserve / llama-server"]
+        + [f"{v} / llama-server" for v in variants],
         rows,
     )
     if theirs is None:
