@@ -67,7 +67,11 @@ def server(vlm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
 
 
 def chat(
-    server: Server, content: Any, history: tuple[dict[str, Any], ...] = (), bias: Any = BIAS
+    server: Server,
+    content: Any,
+    history: tuple[dict[str, Any], ...] = (),
+    bias: Any = BIAS,
+    **kwargs: Any,
 ) -> Any:
     return server.client().chat.completions.create(
         model=server.model_id,
@@ -75,6 +79,7 @@ def chat(
         max_tokens=OUT,
         temperature=0,
         logit_bias=bias,
+        **kwargs,
     )
 
 
@@ -196,6 +201,32 @@ def test_positions_and_decode_are_mlx_vlms(kind: str, request: pytest.FixtureReq
         assert max(abs(a - b) for (_, a), (_, b) in zip(answer, tokens, strict=True)) < 1e-4
 
 
+def test_a_sequence_joins_the_batch_at_its_rope_delta() -> None:
+    """A prompt's caches merge into the batch with its rope delta on the offset of each
+    (every quantized part too), whichever sequence mlx-lm merges through."""
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm.models.cache import KVCache
+
+    from flashserve.engine.kv.cache import QuantizedSeqKVCache
+    from flashserve.engine.vision.mrope import Positions, joining, place
+
+    # Two text tokens, a 2 x 2 image at (2 + h, 2 + w), one text token at 5: delta -2.
+    table = np.array([[0, 1, 2, 2, 2, 2, 4], [0, 1, 2, 2, 3, 3, 4], [0, 1, 2, 3, 2, 3, 4]])
+    positions = Positions(table)
+    assert positions.delta == -2
+    assert positions.runs == [(0, 3, True), (3, 6, False), (6, 7, True)]
+    for make in (KVCache, lambda: QuantizedSeqKVCache(group_size=32, bits=8)):
+        image, text = make(), make()
+        place([image], positions)
+        for cache, n in ((image, 7), (text, 3)):
+            cache.update_and_fetch(mx.zeros((1, 1, n, 32)), mx.zeros((1, 1, n, 32)))
+        assert image.offset.delta == -2
+        batch = joining([text])[0].merge(joining([text, image]))  # the text one first
+        for part in getattr(batch, "parts", None) or [batch]:
+            assert part.offset.tolist() == [3, 7 - 2]
+
+
 # -- served ---------------------------------------------------------------------------
 
 
@@ -227,6 +258,9 @@ def test_the_image_reaches_the_model_through_every_api(server: Server) -> None:
         temperature=0,
     )
     assert response.output_text == first.choices[0].message.content
+    # n choices share one prefill (its caches copied per choice, positions and all).
+    both = chat(server, ask_about(wide), bias=None, n=2)
+    assert [c.message.content for c in both.choices] == [first.choices[0].message.content] * 2
 
 
 def conversation(image: bytes, answer: str) -> tuple[dict[str, Any], ...]:
@@ -308,3 +342,31 @@ def test_streamed_layers_batches_and_the_cache_give_the_same_tokens(
     quantized = results["kv_bits"]
     assert quantized["image_batched"] == quantized["alone"]
     assert quantized["text_batched"] == quantized["text"]
+
+
+def test_moe_experts_from_disk_give_the_resident_tokens(
+    moe_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Qwen3.5-MoE with its experts through the expert cache (two slots of four) and its
+    layers streamed: the prompt with an image prefills layer-major, each MoE layer one
+    expert call for every chunk, and answers as the resident model does."""
+    workdir = tmp_path_factory.mktemp("qwen-moe")
+    prepared = prepare(moe_dir, workdir / "prepared")
+    image = png(7, TALL)
+    results = {}
+    for name, model, flags in (
+        ("resident", moe_dir, ()),
+        ("offloaded", prepared, ("--expert-cache", "2", "--residency", "fixed",
+                                 "--resident-layers", "0")),
+    ):  # fmt: skip
+        (workdir / name).mkdir()
+        running = start_server(model, workdir / name, "--max-batch", "4", *flags)
+        try:
+            results[name] = answers(running, image, None)
+            if name == "offloaded":  # the experts came from disk
+                start = running.http().get("/cache/stats").json()["since_start"]
+                assert start["misses"] > 0 and start["bytes_read"] > 0
+        finally:
+            stop_server(running)
+    assert results["offloaded"] == results["resident"]
+    assert results["resident"]["image_batched"] == results["resident"]["alone"]
