@@ -253,6 +253,9 @@ def test_quick_decode_section_prints_both_kernels_and_its_targets(tmp_path: Path
     assert re.search(r"^  1 stream / llama.cpp( 1 stream: [0-9.]+x|: not measured)", targets, re.M)
     compiled = re.search(r"compiled step / step built by Python: ([0-9.]+)x", targets)
     assert compiled and float(compiled.group(1)) > 0, targets
+    assert ("flashserve kernel, float x", "1") in kernels, kernels  # decode_matmul "float"
+    int16 = re.search(r"decode_matmul int16 / float: ([0-9.]+)x", targets)
+    assert int16 and float(int16.group(1)) > 0, targets
     # kv_bits (issue 57): float, 8 and 4 bits as served and as before, at a 4k context.
     kv = [rows for t, rows in tables.items() if t.startswith("Decode with kv_bits")]
     assert len(kv) == 1, proc.stdout

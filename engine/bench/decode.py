@@ -14,6 +14,10 @@ about LONG_CONTEXT tokens (a coding agent's conversation), on flashserve's
 kernel and on llama.cpp, where attention over the context weighs as much as
 the weights.
 
+Each round also decodes one stream with the `decode_matmul` setting "float" (x kept
+in float32: the float kernel, csrc/qmm_avx512.cpp) beside the default "int16" (x
+rounded per block of 32, integer dot products: csrc/qmm_avx512_int.cpp).
+
 Last, `kv_bits` (issue 57 item 5): one stream's decode at KV_CONTEXTS tokens of
 context with the float cache and with kv_bits 8 and 4, each as served (the
 compiled step; kv_bits' attention reading the packed cache), and kv_bits'
@@ -93,6 +97,7 @@ def run(work_dir: Path, *, tokens: int, quick: bool) -> dict:
                 got = {str(n): run_streams(engine, n, tokens).tokens_per_s for n in streams_list}
                 if kernel == "fast":
                     got["uncompiled"] = run_streams(uncompiled, 1, tokens).tokens_per_s
+                    got["float x"] = _float_x_rate(engine, tokens)
                 if kernel == "fast" and llama:
                     got["llama"] = llama.rate(tokens)
                 log.info("%s round: %s tok/s", kernel, got)
@@ -132,6 +137,18 @@ def run(work_dir: Path, *, tokens: int, quick: bool) -> dict:
                 ratio(rate, llama_best),
             ]
         )
+    float_best = max((r["float x"] for r in paired), default=None)
+    if float_best:
+        rows.append(
+            [
+                "flashserve kernel, float x",
+                1,
+                float_best,
+                1.0,
+                ratio(float_best, best.get(("mlx", 1))),
+                ratio(float_best, llama_best),
+            ]
+        )
     if llama_best:
         rows.append(["llama.cpp (llama-cpp-python)", 1, llama_best, 1.0, "-", "1.00"])
     print_table(
@@ -152,6 +169,8 @@ def run(work_dir: Path, *, tokens: int, quick: bool) -> dict:
             print("  1 stream / llama.cpp: not measured (pip install llama-cpp-python)")
         got = statistics.median(r["1"] / r["uncompiled"] for r in paired)
         print(f"  (1 stream, compiled step / step built by Python: {got:.2f}x)")
+        got = statistics.median(r["1"] / r["float x"] for r in paired)
+        print(f"  (1 stream, decode_matmul int16 / float: {got:.2f}x)")
         four = "4" if 4 in streams_list else str(max(streams_list))
         got = statistics.median(r[four] / r["1"] for r in paired)
         verdict = "met" if got >= 2.5 else "MISSED"
@@ -183,6 +202,16 @@ def run(work_dir: Path, *, tokens: int, quick: bool) -> dict:
             "llama_cpp_tokens_per_s": llama_long,
         },
     }
+
+
+def _float_x_rate(engine: Any, tokens: int) -> float:
+    """One stream's tokens/s with decode_matmul "float" (x kept in float32: the float
+    kernel), then back to the int16 default the engine was loaded with."""
+    qmm.set_decode_matmul("float")
+    try:
+        return run_streams(engine, 1, tokens).tokens_per_s
+    finally:
+        qmm.set_decode_matmul("int16")
 
 
 def ratio(a: float, b: float | None) -> str:
