@@ -17,6 +17,7 @@ cache (as a cold prefill of the whole conversation gives).
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -370,3 +371,75 @@ def test_moe_experts_from_disk_give_the_resident_tokens(
             stop_server(running)
     assert results["offloaded"] == results["resident"]
     assert results["resident"]["image_batched"] == results["resident"]["alone"]
+
+
+def _narrowed(server: Server, image: bytes, speculative: bool) -> list[tuple[str, float]]:
+    """A greedy answer about the image among two tokens: its tokens and logprobs."""
+    body = {
+        "model": server.model_id,
+        "messages": [{"role": "user", "content": ask_about(image)}],
+        "max_tokens": 40,
+        "temperature": 0,
+        "logprobs": True,
+        "logit_bias": {"100": 30, "101": 30},
+        "speculative": speculative,
+    }
+    response = server.http().post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    content = response.json()["choices"][0]["logprobs"]["content"]
+    return [(t["token"], t["logprob"]) for t in content]
+
+
+def test_speculative_decoding_after_an_image_gives_the_plain_tokens(
+    vlm_dir: Path, qwen2_5_vl_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Prompt lookup's drafts verified in one pass per sequence, at offset + rope delta:
+    with speculation the answer after an image is the plain one, logprobs included,
+    alone and batched, on Qwen3.5 (recurrent state recomputed after a rejection) and
+    Qwen2.5-VL. The random model is narrowed to two tokens (tests/test_speculative.py)
+    so that drafts are partly right."""
+    from .test_speculative import spec_counters
+
+    image = png(8, WIDE)
+    for name, model in (("qwen3_5", vlm_dir), ("qwen2_5_vl", qwen2_5_vl_dir)):
+        workdir = tmp_path_factory.mktemp(f"spec-{name}")
+        flags = ("--speculative", "prompt-lookup", "--speculative-max-draft", "6")
+        running = start_server(model, workdir, "--max-batch", "4", *flags)
+        try:
+            plain = _narrowed(running, image, False)
+            before = spec_counters(running)
+            alone = _narrowed(running, image, True)
+            batched = at_once(*[functools.partial(_narrowed, running, image, True)] * 2)
+            after = spec_counters(running)
+        finally:
+            stop_server(running)
+        assert after["accepted_tokens_total"] > before["accepted_tokens_total"], name
+        for answer in (alone, *batched):
+            assert [t for t, _ in answer] == [t for t, _ in plain], name
+            assert max(abs(a - b) for (_, a), (_, b) in zip(answer, plain, strict=True)) < 1e-3
+
+
+def test_the_image_state_on_disk_serves_the_next_turn_after_a_restart(
+    vlm_dir: Path, tmp_path: Path
+) -> None:
+    """The SSD tier keeps Qwen3.5's state before the first turn's last token (its
+    offsets written as plain ints): after a restart the next turn starts there, the
+    image not encoded again, and answers as a server that kept it in memory."""
+    image = png(9, WIDE)
+    args = ("--prompt-cache-bytes", "64000000", "--prompt-cache-dir", str(tmp_path / "pc"))
+    running = start_server(vlm_dir, tmp_path, *args)
+    try:
+        first = chat(running, ask_about(image))
+        history = conversation(image, first.choices[0].message.content)
+        kept = chat(running, FOLLOW_UP, history).choices[0].message.content
+        running.wait_idle(30)
+    finally:
+        stop_server(running)
+    running = start_server(vlm_dir, tmp_path, *args)
+    try:
+        again = chat(running, FOLLOW_UP, history)
+        assert again.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 1
+        assert encoded(running) == 0
+        assert again.choices[0].message.content == kept
+    finally:
+        stop_server(running)

@@ -31,6 +31,7 @@ travel where mlx-lm passes positions, the cache's offset:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -50,19 +51,14 @@ class Positions:
         self.delta = int(table.max()) + 1 - self.length if self.length else 0
         self.table = mx.array(table[:, None, :].astype(np.int32))  # (3, 1, L)
         self.first = table[0].tolist()
+        # A token is text where its three positions agree; a text run goes on while
+        # they count up by one (the text after an image starts past its largest).
         plain = (table[0] == table[1]) & (table[1] == table[2])
-        self.runs: list[tuple[int, int, bool]] = []  # [start, end), text
-        for i in range(self.length):
-            last = self.runs[-1] if self.runs else None
-            joins = (
-                last is not None
-                and last[2] == bool(plain[i])
-                and (not plain[i] or self.first[i] == self.first[i - 1] + 1)
-            )
-            if joins:
-                self.runs[-1] = (last[0], i + 1, last[2])  # type: ignore[index]
-            else:
-                self.runs.append((i, i + 1, bool(plain[i])))
+        starts = np.ones(self.length, dtype=bool)
+        starts[1:] = (plain[1:] != plain[:-1]) | (plain[1:] & (table[0, 1:] != table[0, :-1] + 1))
+        cuts = [*np.flatnonzero(starts).tolist(), self.length]
+        # [start, end), text or not
+        self.runs = [(a, b, bool(plain[a])) for a, b in itertools.pairwise(cuts)]
 
     def rotate(self, mrope: MRope, x: mx.array, offset: int) -> mx.array:
         """x's rows (tokens offset .. offset + L) rotated at their positions."""
