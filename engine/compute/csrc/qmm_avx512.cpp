@@ -73,7 +73,13 @@ QMM512 inline void start_tile(const QmmProblem& p, const Prepared& x, int m0, in
 template <int MR, int NC, ScaleType ST>
 QMM512 inline void rescale(const QmmProblem& p, int n0, int g0, __mmask16 smask,
                            __m512i lane_group, __m512 acc[MR][NC], __m512 tot[MR][NC]) {
+  constexpr int SB = ST == ScaleType::f32 ? 4 : 2;
   for (int c = 0; c < NC; ++c) {
+    // The scales and biases stream too: prefetched, one core's pass over a 1.2B
+    // model's 4-bit weights went from ~13.4 to ~19.5 GB/s (qmm_avx512_int.cpp).
+    const int64_t at = (int64_t(n0 + c) * p.s_stride + g0) * SB + 1024;
+    _mm_prefetch(static_cast<const char*>(p.scales) + at, _MM_HINT_T0);
+    _mm_prefetch(static_cast<const char*>(p.biases) + at, _MM_HINT_T0);
     const __m512 s = _mm512_permutexvar_ps(
         lane_group, chunk_scales4<ST>(p.scales, int64_t(n0 + c) * p.s_stride + g0, __mmask8(smask)));
     for (int m = 0; m < MR; ++m) tot[m][c] = _mm512_fmadd_ps(acc[m][c], s, tot[m][c]);

@@ -35,6 +35,10 @@ using detail::ColumnsFn;
 using detail::Prepared;
 
 constexpr int CHUNK = 32;  // values unpacked at once; every group size is a multiple
+// Bytes ahead of a weight row's read to prefetch (an eighth of it ahead of its
+// scales and biases): one core's AVX2 pass over a 1.2B model's 4-bit weights went
+// from ~8.5 to ~9.5 GB/s; the unpacking into floats, not memory, bounds the rest.
+constexpr int PREFETCH = 4096;
 
 // ---------------------------------------------------------------- scales
 
@@ -131,16 +135,21 @@ QMM_TARGET void tile(const QmmProblem& p, const float* xs, int m0, int n0) {
   for (int c = 0; c < NC; ++c) {
     rows[c] = reinterpret_cast<const uint8_t*>(p.w + int64_t(n0 + c) * p.w_stride);
   }
+  constexpr int SB = ST == ScaleType::f32 ? 4 : 2;
   for (int g = 0; g < groups; ++g) {
     float sc[NC], bi[NC];
     for (int c = 0; c < NC; ++c) {
       const int64_t at = int64_t(n0 + c) * p.s_stride + g;
+      _mm_prefetch(static_cast<const char*>(p.scales) + at * SB + PREFETCH / 8, _MM_HINT_T0);
+      _mm_prefetch(static_cast<const char*>(p.biases) + at * SB + PREFETCH / 8, _MM_HINT_T0);
       sc[c] = scale_at<ST>(p.scales, at);
       bi[c] = scale_at<ST>(p.biases, at);
     }
     for (int h = 0; h < chunks; ++h) {
       const int k0 = g * p.group_size + h * CHUNK;
       for (int c = 0; c < NC; ++c) {
+        _mm_prefetch(reinterpret_cast<const char*>(rows[c]) + int64_t(k0) * p.bits / 8 + PREFETCH,
+                     _MM_HINT_T0);
         __m256 q[4];
         D::run(rows[c], k0, q);
         const __m256 s = _mm256_set1_ps(sc[c]);
