@@ -1,17 +1,19 @@
-"""Images in on Qwen3.5: M-RoPE positions through mlx-lm's language model, served for real.
+"""Images in on Qwen: M-RoPE positions through mlx-lm's language model, served for real.
 
-A tiny random Qwen3.5 vision-language model (gated delta-net and full
-attention layers, a quarter of each head rotated by M-RoPE) is built in
-mlx-vlm's format with Qwen's real image processor (engine/vision/synthetic.py).
-Its image tokens have three-part positions and the text after an image runs
-behind the token count (the rope delta): vision/mrope.py gives them to
-mlx-lm's model. Two things are judged. Against mlx-vlm's own model of the
-same weights: the first token's logits and a greedy answer (decoded in the
-batch, where the delta lives in the offsets) are mlx-vlm's. From outside,
-as tests/test_images.py does for Gemma 3: the same image gives the same
-tokens through every API, every way the layers are held (resident or
-streamed, alone or batched, kv_bits), and as the next turn from the prompt
-cache (as a cold prefill of the whole conversation gives).
+Tiny random Qwen vision-language models are built in mlx-vlm's format with
+Qwen's real image processor (engine/vision/synthetic.py): Qwen3.5 and its
+MoE (gated delta-net and full attention layers, a quarter of each head
+rotated by M-RoPE), Qwen2.5-VL, Qwen3-VL and its MoE (deepstack features from
+the tower's inner layers). Their image tokens have three-part positions and
+the text after an image runs behind the token count (the rope delta):
+vision/mrope.py gives them to mlx-lm's model. Two things are judged. Against
+mlx-vlm's own model of the same weights, for each architecture: the first
+token's logits and a greedy answer (decoded in the batch, where the delta
+lives in the offsets) are mlx-vlm's. From outside, as tests/test_images.py
+does for Gemma 3: the same image gives the same tokens through every API,
+every way the layers are held (resident or streamed, alone or batched,
+kv_bits, speculative), and as the next turn from the prompt cache (as a cold
+prefill of the whole conversation gives).
 """
 
 from __future__ import annotations
@@ -140,7 +142,23 @@ def qwen2_5_vl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_qwen2_5_vl(tmp_path_factory.mktemp("models") / "tiny-qwen2_5_vl")
 
 
-@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_moe", "qwen2_5_vl"])
+@pytest.fixture(scope="module")
+def qwen3_vl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from flashserve.engine.vision.synthetic import make_qwen3_vl
+
+    return make_qwen3_vl(tmp_path_factory.mktemp("models") / "tiny-qwen3_vl")
+
+
+@pytest.fixture(scope="module")
+def qwen3_vl_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from flashserve.engine.vision.synthetic import make_qwen3_vl
+
+    return make_qwen3_vl(tmp_path_factory.mktemp("models") / "tiny-qwen3_vl_moe", moe=True)
+
+
+@pytest.mark.parametrize(
+    "kind", ["qwen3_5", "qwen3_5_moe", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"]
+)
 def test_positions_and_decode_are_mlx_vlms(kind: str, request: pytest.FixtureRequest) -> None:
     """The prefill's logits are mlx-vlm's to float rounding (without M-RoPE they are
     not), and the greedy answer, decoded in the batch at offset + rope delta, is
@@ -345,31 +363,38 @@ def test_streamed_layers_batches_and_the_cache_give_the_same_tokens(
     assert quantized["text_batched"] == quantized["text"]
 
 
-def test_moe_experts_from_disk_give_the_resident_tokens(
-    moe_dir: Path, tmp_path_factory: pytest.TempPathFactory
+@pytest.mark.parametrize("kind", ["qwen3_5_moe", "qwen3_vl"])
+def test_weights_from_disk_give_the_resident_tokens(
+    kind: str, request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    """Qwen3.5-MoE with its experts through the expert cache (two slots of four) and its
-    layers streamed: the prompt with an image prefills layer-major, each MoE layer one
-    expert call for every chunk, and answers as the resident model does."""
-    workdir = tmp_path_factory.mktemp("qwen-moe")
-    prepared = prepare(moe_dir, workdir / "prepared")
+    """Layers streamed from a prepared layout: a prompt with an image prefills
+    layer-major in chunks of 28 tokens (its rows, 26 to 31, across two), and answers as
+    the resident model does. Qwen3.5-MoE's experts come through the expert cache (two
+    slots of four, one call per MoE layer for every chunk); Qwen3-VL's deepstack rows
+    join each chunk after its first two layers."""
+    model = request.getfixturevalue("moe_dir" if kind == "qwen3_5_moe" else f"{kind}_dir")
+    workdir = tmp_path_factory.mktemp(f"disk-{kind}")
+    prepared = prepare(model, workdir / "prepared")
     image = png(7, TALL)
+    streamed = ("--residency", "fixed", "--resident-layers", "0")
+    if kind == "qwen3_5_moe":
+        streamed += ("--expert-cache", "2")
     results = {}
-    for name, model, flags in (
-        ("resident", moe_dir, ()),
-        ("offloaded", prepared, ("--expert-cache", "2", "--residency", "fixed",
-                                 "--resident-layers", "0")),
-    ):  # fmt: skip
+    for name, path, flags in (("resident", model, ()), ("streamed", prepared, streamed)):
         (workdir / name).mkdir()
-        running = start_server(model, workdir / name, "--max-batch", "4", *flags)
+        running = start_server(
+            path, workdir / name, "--max-batch", "4", "--prefill-step-size", "28", *flags
+        )
         try:
             results[name] = answers(running, image, None)
-            if name == "offloaded":  # the experts came from disk
+            if name == "streamed":
+                assert running.http().get("/memory").json()["streamed_layers"]
+            if name == "streamed" and kind == "qwen3_5_moe":  # the experts came from disk
                 start = running.http().get("/cache/stats").json()["since_start"]
                 assert start["misses"] > 0 and start["bytes_read"] > 0
         finally:
             stop_server(running)
-    assert results["offloaded"] == results["resident"]
+    assert results["streamed"] == results["resident"]
     assert results["resident"]["image_batched"] == results["resident"]["alone"]
 
 

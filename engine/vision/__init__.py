@@ -11,9 +11,10 @@ image's embeddings in place of its placeholder tokens.
                 (the prompt cache's key tells two images apart)
 - `tower.py`    VisionModel: the tower, projector and processor of a model
                 directory; each image's features cached by its hash
-- `qwen.py`     Qwen3.5's images: grid, tower, the prompt's M-RoPE positions
+- `qwen.py`     Qwen's images: grid, tower (and deepstack), M-RoPE positions
 - `mrope.py`    those positions through mlx-lm's language model (the caches'
-                offsets carry them; the batch's carry each sequence's delta)
+                offsets carry them; the batch's carry each sequence's delta),
+                and Qwen3-VL's deepstack rows after its first layers
 - `embed.py`    a prompt chunk's input embeddings, image features merged in
 - `synthetic.py` tiny random vision-language models (tests, bench)
 """

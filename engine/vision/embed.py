@@ -50,8 +50,9 @@ def image_embedder(
     vision: VisionModel | None = loaded.vision
     if not images or vision is None:
         return None
-    if cache is not None and (positions := vision.positions(list(prompt), list(images))):
-        mrope.place(cache, positions)
+    positions = vision.positions(list(prompt), list(images)) if cache is not None else None
+    if positions is not None:
+        mrope.place(cache, positions)  # type: ignore[arg-type]
     embed_tokens = _token_embedding(loaded.model)
     token_id = vision.tokens.token_id
     by_id = {virtual_id(image, token_id): image for image in images}
@@ -87,7 +88,13 @@ def image_embedder(
         for at, (img, r) in here:
             index[at], mask[at] = offsets[img.digest] + r, True
         rows = table[mx.array(index)][None]
-        return mx.where(mx.array(mask)[None, :, None], rows, h)
+        image_rows = mx.array(mask)[None, :, None]
+        if rows.shape[-1] > h.shape[-1]:  # Qwen3-VL: its deepstack parts follow
+            parts = mx.split(rows, rows.shape[-1] // h.shape[-1], axis=-1)
+            rows = parts[0]
+            if positions is not None:  # added after the first layers (vision/mrope.py)
+                positions.deepstack[start] = (image_rows, list(parts[1:]))
+        return mx.where(image_rows, rows, h)
 
     return embed
 

@@ -27,6 +27,10 @@ travel where mlx-lm passes positions, the cache's offset:
   (compiled or not) rotates at offset + delta.
 - The prompt cache keeps states whose offsets are plain again; the next
   turn's prefill places its own prompt's positions (the images are its own).
+
+Qwen3-VL's deepstack rides on the same positions: a chunk's image rows from
+the tower's inner layers wait on them (vision/embed.py puts them there) until
+the first decoder layers add them (`install_deepstack`).
 """
 
 from __future__ import annotations
@@ -50,6 +54,9 @@ class Positions:
         # As mlx-vlm's get_rope_index: positions past the prompt are offset + delta.
         self.delta = int(table.max()) + 1 - self.length if self.length else 0
         self.table = mx.array(table[:, None, :].astype(np.int32))  # (3, 1, L)
+        # Qwen3-VL: a chunk's deepstack rows by its start, (image rows' mask, one
+        # (1, L, hidden) part per deepstack layer), from vision/embed.py to `deepstack`.
+        self.deepstack: dict[int, tuple[mx.array, list[mx.array]]] = {}
         self.first = table[0].tolist()
         # A token is text where its three positions agree; a text run goes on while
         # they count up by one (the text after an image starts past its largest).
@@ -147,6 +154,45 @@ def install(layers: Sequence[nn.Module], rotary: Any) -> int:
             attention.rope = MRope(rope, rotary)
         count += 1
     return count
+
+
+def install_deepstack(layers: Sequence[nn.Module], count: int) -> None:
+    """Qwen3-VL's deepstack: after each of the first `count` decoder layers, a prompt
+    chunk's image rows get that layer's part of their deepstack features added (as
+    mlx-vlm's language model does). The layers' class gains the step (the instance
+    keeps its weights and their names); the chunk's rows come with its cache's
+    positions, so a layer without them (a decode step) runs as it was."""
+    for index, layer in enumerate(layers[:count]):
+        if not isinstance(layer, _Deepstack):
+            layer.__class__ = _deepstack_class(type(layer))
+        layer._deepstack_index = index
+
+
+class _Deepstack:
+    _deepstack_index = 0
+
+    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        out = super().__call__(x, mask, cache)  # type: ignore[misc]
+        offset = getattr(cache, "offset", None)
+        if not isinstance(offset, RopeOffset):
+            return out
+        start = int(offset) - x.shape[1]  # the layer's attention took the chunk
+        entry = offset.positions.deepstack.get(start)
+        if entry is None:
+            return out
+        rows, parts = entry
+        if self._deepstack_index == len(parts) - 1:
+            del offset.positions.deepstack[start]  # its last use
+        return mx.where(rows, out + parts[self._deepstack_index], out)
+
+
+_DEEPSTACK_CLASSES: dict[type, type] = {}
+
+
+def _deepstack_class(cls: type) -> type:
+    if cls not in _DEEPSTACK_CLASSES:
+        _DEEPSTACK_CLASSES[cls] = type(f"Deepstack{cls.__name__}", (_Deepstack, cls), {})
+    return _DEEPSTACK_CLASSES[cls]
 
 
 def _positional(cache: Any) -> bool:

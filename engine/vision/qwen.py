@@ -1,4 +1,4 @@
-"""Qwen's images (qwen3_5, qwen3_5_moe, qwen2_5_vl), through mlx-vlm's model of them.
+"""Qwen's images (Qwen3.5, Qwen2.5-VL, Qwen3-VL and their MoE twins), through mlx-vlm.
 
 An image becomes "<|vision_start|>" + one "<|image_pad|>" per token +
 "<|vision_end|>", as Qwen's processor writes it. Unlike Gemma 3 the count
@@ -23,7 +23,10 @@ from flashserve.engine.vision.images import Image
 from flashserve.engine.vision.mrope import Positions
 from flashserve.engine.vision.prompt import ImageTokens, real_tokens
 
-ARCHITECTURES = ("qwen3_5", "qwen3_5_moe", "qwen2_5_vl")
+ARCHITECTURES = ("qwen3_5", "qwen3_5_moe", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+# Whose tower's deepstack features join the language model's first layers (Qwen3.5
+# has a deepstack in its config that its model does not use: mlx-vlm drops it).
+DEEPSTACK = ("qwen3_vl", "qwen3_vl_moe")
 _GRIDS_KEPT = 256  # images whose grid is remembered (a prompt's count and its positions)
 
 
@@ -37,9 +40,13 @@ def image_tokens(config: Any, tokenizer: Any) -> ImageTokens:
 class QwenImages:
     """A Qwen model's image side: processing, tower, positions."""
 
-    def __init__(self, model: Any, processor: Any) -> None:
+    def __init__(self, kind: str, model: Any, processor: Any) -> None:
         self.model, self.processor = model, processor
-        self.merge = int(model.config.vision_config.spatial_merge_size)
+        vision = model.config.vision_config
+        self.merge = int(vision.spatial_merge_size)
+        # Deepstack layers: the features carry one more (tokens, hidden) part for each.
+        deepstack = getattr(vision, "deepstack_visual_indexes", None) or []
+        self.deepstack = len(deepstack) if kind in DEEPSTACK else 0
         self._grids: OrderedDict[str, tuple[int, int, int]] = OrderedDict()
         self._lock = threading.Lock()  # the server's threads ask for counts, the worker's too
         self.rotary = _rotary(model)
@@ -67,8 +74,14 @@ class QwenImages:
         pixels, grid = self._processed(image)
         tower = self.model.vision_tower
         dtype = tower.patch_embed.proj.weight.dtype
-        rows = tower(mx.array(pixels).astype(dtype), mx.array([grid]))
-        return rows[0] if isinstance(rows, tuple) else rows  # Qwen3.5's: (rows, deepstack)
+        out = tower(mx.array(pixels).astype(dtype), mx.array([grid]))
+        if not isinstance(out, tuple):  # Qwen2.5-VL: the rows alone
+            return out
+        rows, deepstack = out
+        if not self.deepstack:
+            return rows
+        # Qwen3-VL: each deepstack layer's rows beside the tokens' (vision/embed.py splits).
+        return mx.concatenate([rows, *deepstack[: self.deepstack]], axis=-1)
 
     def positions(self, prompt: Sequence[int], images: Sequence[Image]) -> Positions:
         """The prompt's M-RoPE positions, as mlx-vlm's language model computes them."""

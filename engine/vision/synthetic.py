@@ -128,28 +128,15 @@ def make_qwen3_5_vlm(
     family = qwen3_5_moe if moe else qwen3_5
     kind = "qwen3_5_moe" if moe else "qwen3_5"
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    vocab = build_tokenizer(out, extra_special_tokens=QWEN_IMAGE_TOKENS)
-    with open(out / "tokenizer.json") as f:
-        ids = {t["content"]: t["id"] for t in json.load(f)["added_tokens"]}
+    vocab, ids = _qwen_tokenizer(out)
     text = {
-        "model_type": f"{kind}_text",
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 32,
-        "rms_norm_eps": 1e-6,
-        "vocab_size": vocab,
-        "max_position_embeddings": 4096,
+        **_qwen_text(kind, vocab, heads=4, kv_heads=2),
         "linear_num_value_heads": 4,
         "linear_num_key_heads": 2,
         "linear_key_head_dim": 16,
         "linear_value_head_dim": 16,
         "linear_conv_kernel_dim": 4,
         "full_attention_interval": 2,
-        "tie_word_embeddings": False,
         "rope_parameters": {
             "rope_type": "default",
             "mrope_section": [2, 1, 1],  # of the 4 frequencies a quarter of 32 rotates
@@ -167,32 +154,8 @@ def make_qwen3_5_vlm(
             decoder_sparse_step=1,
             norm_topk_prob=True,
         )
-    vision = {
-        "model_type": kind,
-        "depth": 2,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "out_hidden_size": 64,
-        "num_heads": 2,
-        "patch_size": 16,
-        "spatial_merge_size": 2,
-        "temporal_patch_size": 2,
-        "num_position_embeddings": 64,
-        "in_channels": 3,
-        "deepstack_visual_indexes": [],
-    }
-    config = {
-        "model_type": kind,
-        "text_config": text,
-        "vision_config": vision,
-        "image_token_id": ids["<|image_pad|>"],
-        "video_token_id": ids["<|video_pad|>"],
-        "vision_start_token_id": ids["<|vision_start|>"],
-        "vision_end_token_id": ids["<|vision_end|>"],
-        "vocab_size": vocab,
-        "eos_token_id": ids["<|im_end|>"],
-        "tie_word_embeddings": False,
-    }
+    vision = _qwen3_tower(kind, deepstack=[])
+    config = {"model_type": kind, "text_config": text, "vision_config": vision, **ids}
     model_config = family.ModelConfig.from_dict(config)
     model_config.text_config = family.TextConfig.from_dict(text)
     model_config.vision_config = family.VisionConfig.from_dict(vision)
@@ -210,10 +173,7 @@ def make_qwen2_5_vl(out: str | Path, *, seed: int = 0, max_pixels: int = 84 * 84
     from mlx_vlm.models import qwen2_5_vl
 
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    vocab = build_tokenizer(out, extra_special_tokens=QWEN_IMAGE_TOKENS)
-    with open(out / "tokenizer.json") as f:
-        ids = {t["content"]: t["id"] for t in json.load(f)["added_tokens"]}
+    _, ids = _qwen_tokenizer(out)  # the vocabulary size is in ids
     vision = {
         "model_type": "qwen2_5_vl",
         "depth": 2,
@@ -237,17 +197,11 @@ def make_qwen2_5_vl(out: str | Path, *, seed: int = 0, max_pixels: int = 84 * 84
         "num_attention_heads": 2,
         "num_key_value_heads": 1,
         "rms_norm_eps": 1e-6,
-        "vocab_size": vocab,
         "max_position_embeddings": 4096,
         "rope_theta": 10000.0,
         "rope_scaling": {"type": "mrope", "mrope_section": [4, 6, 6]},
-        "tie_word_embeddings": False,
         "vision_config": vision,
-        "image_token_id": ids["<|image_pad|>"],
-        "video_token_id": ids["<|video_pad|>"],
-        "vision_start_token_id": ids["<|vision_start|>"],
-        "vision_end_token_id": ids["<|vision_end|>"],
-        "eos_token_id": ids["<|im_end|>"],
+        **ids,
     }
     model_config = qwen2_5_vl.ModelConfig.from_dict(dict(config))
     model_config.text_config = qwen2_5_vl.TextConfig.from_dict(model_config.text_config)
@@ -257,6 +211,90 @@ def make_qwen2_5_vl(out: str | Path, *, seed: int = 0, max_pixels: int = 84 * 84
     _qwen_processor(out, 14, max_pixels)
     log.info("wrote a qwen2_5_vl vision-language model to %s", out)
     return out
+
+
+def make_qwen3_vl(
+    out: str | Path, *, seed: int = 0, moe: bool = False, max_pixels: int = 96 * 96
+) -> Path:
+    """A Qwen3-VL model (`moe`: Qwen3-VL-MoE): 4 qwen3 text layers (heads of 32, all
+    rotated by M-RoPE in interleaved sections), a 2-layer tower on 16-pixel patches
+    merged 2 x 2 whose two layers' deepstack features join the first two text layers'
+    hidden states."""
+    from mlx_vlm.models import qwen3_vl, qwen3_vl_moe
+
+    family = qwen3_vl_moe if moe else qwen3_vl
+    kind = "qwen3_vl_moe" if moe else "qwen3_vl"
+    out = Path(out)
+    vocab, ids = _qwen_tokenizer(out)
+    text = {
+        **_qwen_text(kind, vocab, heads=2, kv_heads=1),
+        "rope_theta": 10000.0,
+        "rope_scaling": {"rope_type": "default", "mrope_section": [8, 4, 4],
+                         "mrope_interleaved": True},
+    }  # fmt: skip
+    if moe:
+        text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                    decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)  # fmt: skip
+    vision = _qwen3_tower(kind, deepstack=[0, 1])
+    config = {"model_type": kind, "text_config": text, "vision_config": vision, **ids}
+    model_config = family.ModelConfig.from_dict(config)
+    mx.random.seed(seed)
+    _write(out, family.Model(model_config), config)
+    _qwen_processor(out, 16, max_pixels)
+    log.info("wrote a %s vision-language model to %s", kind, out)
+    return out
+
+
+def _qwen_tokenizer(out: Path) -> tuple[int, dict[str, int]]:
+    """The tokenizer with Qwen's image markup; its size, and the config's token ids."""
+    out.mkdir(parents=True, exist_ok=True)
+    vocab = build_tokenizer(out, extra_special_tokens=QWEN_IMAGE_TOKENS)
+    with open(out / "tokenizer.json") as f:
+        ids = {t["content"]: t["id"] for t in json.load(f)["added_tokens"]}
+    return vocab, {
+        "vocab_size": vocab,
+        "tie_word_embeddings": False,
+        "image_token_id": ids["<|image_pad|>"],
+        "video_token_id": ids["<|video_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"],
+        "vision_end_token_id": ids["<|vision_end|>"],
+        "eos_token_id": ids["<|im_end|>"],
+    }
+
+
+def _qwen_text(kind: str, vocab: int, heads: int, kv_heads: int) -> dict:
+    """What Qwen3.5's and Qwen3-VL's text configs share: 4 layers, heads of 32."""
+    return {
+        "model_type": f"{kind}_text",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 4,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": 32,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": vocab,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+    }
+
+
+def _qwen3_tower(kind: str, deepstack: list[int]) -> dict:
+    """Qwen3.5's and Qwen3-VL's tower: 2 layers on 16-pixel patches, merged 2 x 2."""
+    return {
+        "model_type": kind,
+        "depth": 2,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "out_hidden_size": 64,
+        "num_heads": 2,
+        "patch_size": 16,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "num_position_embeddings": 64,
+        "in_channels": 3,
+        "deepstack_visual_indexes": deepstack,
+    }
 
 
 def _qwen_processor(out: Path, patch: int, max_pixels: int) -> None:

@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 INSTALL = "pip install 'flashserve[vision]'"
 # Architectures whose language model mlx-lm runs with `input_embeddings`: Gemma 3
-# with plain positions, Qwen3.5 with M-RoPE's given through the caches' offsets
+# with plain positions, Qwen's with M-RoPE's given through the caches' offsets
 # (vision/mrope.py). Why others are left out: docs/guides/images.md.
 ARCHITECTURES = ("gemma3", *qwen.ARCHITECTURES)
 
@@ -84,7 +84,9 @@ class VisionModel:
         self.processor = processor_class.from_pretrained(str(path), backend="pil")
         # Qwen: its images' processing, tower and M-RoPE positions; None for Gemma 3.
         self.qwen = (
-            qwen.QwenImages(self.model, self.processor) if self.kind in qwen.ARCHITECTURES else None
+            qwen.QwenImages(self.kind, self.model, self.processor)
+            if self.kind in qwen.ARCHITECTURES
+            else None
         )
         if self.qwen is not None:
             self.tokens = qwen.image_tokens(self.config, tokenizer)
@@ -97,8 +99,11 @@ class VisionModel:
 
     def attach(self, layers: list[Any]) -> None:
         """Give the language model's attention layers the images' positions (M-RoPE)."""
-        if self.qwen is not None and not mrope.install(layers, self.qwen.rotary):
+        if self.qwen is None:
+            return
+        if not mrope.install(layers, self.qwen.rotary):
             raise VisionError(f"{self.kind}: no attention layer with a rope to give positions")
+        mrope.install_deepstack(layers, self.qwen.deepstack)
 
     def count(self, image: Image) -> int:
         """The image's placeholder tokens in a prompt."""
