@@ -156,8 +156,17 @@ def qwen3_vl_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_qwen3_vl(tmp_path_factory.mktemp("models") / "tiny-qwen3_vl_moe", moe=True)
 
 
+@pytest.fixture(scope="module")
+def qwen3_5_real_rope_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from flashserve.engine.vision.synthetic import make_qwen3_5_vlm
+
+    out = tmp_path_factory.mktemp("models") / "tiny-qwen3_5-real-rope"
+    return make_qwen3_5_vlm(out, real_rope=True)
+
+
 @pytest.mark.parametrize(
-    "kind", ["qwen3_5", "qwen3_5_moe", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"]
+    "kind",
+    ["qwen3_5", "qwen3_5_real_rope", "qwen3_5_moe", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"],
 )
 def test_positions_and_decode_are_mlx_vlms(kind: str, request: pytest.FixtureRequest) -> None:
     """The prefill's logits are mlx-vlm's to float rounding (without M-RoPE they are

@@ -117,12 +117,19 @@ QWEN_IMAGE_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|v
 
 
 def make_qwen3_5_vlm(
-    out: str | Path, *, seed: int = 0, moe: bool = False, max_pixels: int = 96 * 96
+    out: str | Path,
+    *,
+    seed: int = 0,
+    moe: bool = False,
+    max_pixels: int = 96 * 96,
+    real_rope: bool = False,
 ) -> Path:
     """A Qwen3.5 vision-language model (`moe`: Qwen3.5-MoE): 4 text layers, gated
     delta-net and full attention alternating (heads of 32, a quarter rotated by
     M-RoPE), a 2-layer tower on 16-pixel patches merged 2 x 2; Qwen's image processor
-    sizes an image to at most `max_pixels`, so a 64 x 96 image is 2 x 3 tokens."""
+    sizes an image to at most `max_pixels`, so a 64 x 96 image is 2 x 3 tokens.
+    `real_rope`: Qwen3.5's own rotary layout, heads of 256 (a quarter rotated: 32
+    frequencies in sections of 11, 11 and 10)."""
     from mlx_vlm.models import qwen3_5, qwen3_5_moe
 
     family = qwen3_5_moe if moe else qwen3_5
@@ -130,7 +137,7 @@ def make_qwen3_5_vlm(
     out = Path(out)
     vocab, ids = _qwen_tokenizer(out)
     text = {
-        **_qwen_text(kind, vocab, heads=4, kv_heads=2),
+        **_qwen_text(kind, vocab, heads=4, kv_heads=2, head_dim=256 if real_rope else 32),
         "linear_num_value_heads": 4,
         "linear_num_key_heads": 2,
         "linear_key_head_dim": 16,
@@ -139,7 +146,8 @@ def make_qwen3_5_vlm(
         "full_attention_interval": 2,
         "rope_parameters": {
             "rope_type": "default",
-            "mrope_section": [2, 1, 1],  # of the 4 frequencies a quarter of 32 rotates
+            # Of the frequencies a quarter of the head rotates: 4 (heads of 32) or 32.
+            "mrope_section": [11, 11, 10] if real_rope else [2, 1, 1],
             "mrope_interleaved": True,
             "rope_theta": 10000.0,
             "partial_rotary_factor": 0.25,
@@ -262,8 +270,8 @@ def _qwen_tokenizer(out: Path) -> tuple[int, dict[str, int]]:
     }
 
 
-def _qwen_text(kind: str, vocab: int, heads: int, kv_heads: int) -> dict:
-    """What Qwen3.5's and Qwen3-VL's text configs share: 4 layers, heads of 32."""
+def _qwen_text(kind: str, vocab: int, heads: int, kv_heads: int, head_dim: int = 32) -> dict:
+    """What Qwen3.5's and Qwen3-VL's text configs share: 4 layers of 64 wide."""
     return {
         "model_type": f"{kind}_text",
         "hidden_size": 64,
@@ -271,7 +279,7 @@ def _qwen_text(kind: str, vocab: int, heads: int, kv_heads: int) -> dict:
         "num_hidden_layers": 4,
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
-        "head_dim": 32,
+        "head_dim": head_dim,
         "rms_norm_eps": 1e-6,
         "vocab_size": vocab,
         "max_position_embeddings": 4096,
