@@ -50,9 +50,11 @@ def image_embedder(
     vision: VisionModel | None = loaded.vision
     if not images or vision is None:
         return None
-    positions = vision.positions(list(prompt), list(images)) if cache is not None else None
-    if positions is not None:
-        mrope.place(cache, positions)  # type: ignore[arg-type]
+    positions = None  # an M-RoPE prompt's: its chunks' deepstack rows wait on them too
+    if cache is not None:
+        positions = vision.positions(list(prompt), list(images))
+        if positions is not None:
+            mrope.place(cache, positions)
     embed_tokens = _token_embedding(loaded.model)
     token_id = vision.tokens.token_id
     by_id = {virtual_id(image, token_id): image for image in images}

@@ -55,9 +55,10 @@ class Positions:
         self.delta = int(table.max()) + 1 - self.length if self.length else 0
         self.table = mx.array(table[:, None, :].astype(np.int32))  # (3, 1, L)
         # Qwen3-VL: a chunk's deepstack rows by its start, (image rows' mask, one
-        # (1, L, hidden) part per deepstack layer), from vision/embed.py to `deepstack`.
+        # (1, L, hidden) part per deepstack layer): put by vision/embed.py, taken by
+        # the layers install_deepstack gave the step.
         self.deepstack: dict[int, tuple[mx.array, list[mx.array]]] = {}
-        self.first = table[0].tolist()
+        self.first = table[0].tolist()  # a text token's one position
         # A token is text where its three positions agree; a text run goes on while
         # they count up by one (the text after an image starts past its largest).
         plain = (table[0] == table[1]) & (table[1] == table[2])
