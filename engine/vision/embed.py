@@ -89,14 +89,12 @@ def image_embedder(
         mask = [False] * len(chunk)
         for at, (img, r) in here:
             index[at], mask[at] = offsets[img.digest] + r, True
-        rows = table[mx.array(index)][None]
-        image_rows = mx.array(mask)[None, :, None]
-        if rows.shape[-1] > h.shape[-1]:  # Qwen3-VL: its deepstack parts follow
-            parts = mx.split(rows, rows.shape[-1] // h.shape[-1], axis=-1)
-            rows = parts[0]
+        if table.shape[-1] > h.shape[-1]:  # Qwen3-VL: its deepstack parts follow
+            table, *deep = mx.split(table, table.shape[-1] // h.shape[-1], axis=-1)
             if positions is not None:  # added after the first layers (vision/mrope.py)
-                positions.deepstack[start] = (image_rows, list(parts[1:]))
-        return mx.where(image_rows, rows, h)
+                positions.deepstack[start] = _deepstack_rows(deep, index, mask)
+        rows = table[mx.array(index)][None]
+        return mx.where(mx.array(mask)[None, :, None], rows, h)
 
     return embed
 
@@ -203,6 +201,21 @@ def _encode(future: Future, encode: Callable[[], Any]) -> None:
             future.set_result(encode())
         except BaseException as exc:  # the request's error: ImageEncodes.ready reads it
             future.set_exception(exc)
+
+
+def _deepstack_rows(
+    deep: list[mx.array], index: list[int], mask: list[bool]
+) -> tuple[mx.array, list[mx.array]]:
+    """A chunk's deepstack rows as vision/mrope.py adds them: each part's image rows
+    and a zero row (what the chunk's other rows add), and each row's place in them."""
+    picked = [i for i, m in zip(index, mask, strict=True) if m]
+    places, n = [], 0
+    for m in mask:
+        places.append(n if m else len(picked))
+        n += m
+    zero = mx.zeros((1, deep[0].shape[-1]), deep[0].dtype)
+    rows = [mx.concatenate([d[mx.array(picked)], zero]) for d in deep]
+    return mx.array(places), rows
 
 
 def _cumsum(features: dict[str, mx.array], order: list[str]) -> list[int]:

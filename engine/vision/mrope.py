@@ -54,9 +54,9 @@ class Positions:
         # As mlx-vlm's get_rope_index: positions past the prompt are offset + delta.
         self.delta = int(table.max()) + 1 - self.length if self.length else 0
         self.table = mx.array(table[:, None, :].astype(np.int32))  # (3, 1, L)
-        # Qwen3-VL: a chunk's deepstack rows by its start, (image rows' mask, one
-        # (1, L, hidden) part per deepstack layer): put by vision/embed.py, taken by
-        # the layers install_deepstack gave the step.
+        # Qwen3-VL: a chunk's deepstack rows by its start, (each row's place, each
+        # deepstack layer's image rows + a zero row): put by vision/embed.py, taken
+        # by the layers install_deepstack gave the step.
         self.deepstack: dict[int, tuple[mx.array, list[mx.array]]] = {}
         self.first = table[0].tolist()  # a text token's one position
         # A token is text where its three positions agree; a text run goes on while
@@ -181,10 +181,11 @@ class _Deepstack:
         entry = offset.positions.deepstack.get(start)
         if entry is None:
             return out
-        rows, parts = entry
+        places, parts = entry
         if self._deepstack_index == len(parts) - 1:
             del offset.positions.deepstack[start]  # its last use
-        return mx.where(rows, out + parts[self._deepstack_index], out)
+        # Each row adds its image row's part, a text row the zero row: out as it was.
+        return out + parts[self._deepstack_index][places][None]
 
 
 _DEEPSTACK_CLASSES: dict[type, type] = {}
