@@ -28,6 +28,8 @@ SOURCES = [
     "engine/compute/csrc/qmm_kernels.cpp",
     "engine/compute/csrc/qmm_avx512.cpp",
     "engine/compute/csrc/qmm_avx512_int.cpp",
+    "engine/compute/csrc/qmm_avx2_int.cpp",
+    "engine/compute/csrc/qmm_int_prepare.cpp",
     "engine/compute/csrc/step_ops.cpp",
     "engine/compute/csrc/step_sdpa.cpp",
     "engine/compute/csrc/step_sdpa_quant.cpp",

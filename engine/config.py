@@ -51,7 +51,7 @@ class EngineConfig:
     # compute/prompt_matmul.py) | float (dequantize + BLAS, or the few-row kernel).
     prompt_matmul: str = "int16"
     # CPU decode steps (and the LM head, experts, verify passes) through 4- and
-    # 8-bit linears on AVX-512: int16 (x rounded per block of 32 as the prompt
+    # 8-bit linears: int16 (x rounded per block of 32 as the prompt
     # rows are, integer dot products: csrc/qmm_avx512_int.cpp) | float (x kept
     # in float32). Process-wide, like quantized_matmul.
     decode_matmul: str = "int16"

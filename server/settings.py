@@ -175,10 +175,10 @@ class Settings(BaseSettings):
     )
     decode_matmul: Literal["int16", "float"] = Field(
         "int16",
-        description="CPU with AVX-512: decode steps (the LM head, experts and speculative "
-        "verify rows too) through 4- and 8-bit linears; int16 = x rounded per block of 32 "
-        "as the prompt rows are, integer dot products (~2x the float kernel's speed); "
-        "float = x kept in float32",
+        description="CPU: decode steps (the LM head, experts and speculative verify rows "
+        "too) through 4- and 8-bit linears; int16 = x rounded per block of 32 as the prompt "
+        "rows are, integer dot products (AVX-512 or AVX2; faster than float); float = x "
+        "kept in float32",
     )
     compile_decode: bool = Field(
         True,

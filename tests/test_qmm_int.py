@@ -21,8 +21,8 @@ from .test_prompt_qgemm import TEXT, TOP5_BOUND, emulated, greedy, probabilities
 
 @pytest.fixture
 def ext() -> Iterator:
-    if qmm.select("auto") != "fast" or not qmm.extension().avx512_active():
-        pytest.skip(f"the AVX-512 kernel does not run here: {qmm.unavailable_reason()}")
+    if qmm.select("auto") != "fast":
+        pytest.skip(f"the kernel does not run here: {qmm.unavailable_reason()}")
     module = qmm.extension()
     before = module.x_bits()
     qmm.set_decode_matmul("int16")
@@ -31,11 +31,21 @@ def ext() -> Iterator:
     finally:
         module.set_x_bits(before)
         qmm.set_vnni(True)
+        qmm.set_avx512(True)
 
 
-def each_path(ext) -> list[bool]:
-    """VNNI where the CPU has it, then vpmaddwd (VNNI forced off)."""
-    return [True, False] if qmm.set_vnni(True) else [False]
+def each_path(ext) -> Iterator[tuple[str, bool]]:
+    """Every path this CPU has, the others forced off: the AVX-512 kernel (where the CPU
+    has it) and the AVX2 one, each with VNNI (AVX-512 VNNI, AVX-VNNI) where present and
+    with vpmaddwd (VNNI forced off)."""
+    for avx512 in (True, False):
+        if qmm.set_avx512(avx512) != avx512:
+            continue
+        for vnni in (True, False):
+            if qmm.set_vnni(vnni) == vnni:
+                yield ("AVX-512" if avx512 else "AVX2"), vnni
+    qmm.set_avx512(True)
+    qmm.set_vnni(True)
 
 
 SHAPES = [(1, 576, 37), (3, 160, 19), (4, 1536, 64), (9, 4096, 8), (2, 192, 130)]  # (M, K, N)
@@ -60,33 +70,36 @@ def test_kernel_matches_the_rounded_float_reference_on_every_isa(
         scales, biases = scales.astype(scale_dtype), biases.astype(scale_dtype)
         want, exact = emulated(x, wq, scales, biases, group_size, bits, 16)
         scale = np.abs(exact).max()
-        outs = []
-        for vnni in each_path(ext):
-            assert qmm.set_vnni(vnni) == vnni
+        outs: dict[str, list[np.ndarray]] = {}
+        for isa, vnni in each_path(ext):
             y = np.array(qmm.quantized_matmul(x, wq, scales, biases, group_size, bits))
-            assert np.abs(y - want).max() <= 2e-5 * scale, (vnni, m, k, n)
-            assert np.abs(y - exact).max() <= 2e-4 * scale, (vnni, m, k, n)
-            outs.append(y)
-        assert all(np.array_equal(y, outs[0]) for y in outs)
-        for row in range(m):
-            alone = qmm.quantized_matmul(x[row : row + 1], wq, scales, biases, group_size, bits)
-            assert np.array_equal(np.array(alone)[0], outs[0][row])
+            assert np.abs(y - want).max() <= 2e-5 * scale, (isa, vnni, m, k, n)
+            assert np.abs(y - exact).max() <= 2e-4 * scale, (isa, vnni, m, k, n)
+            outs.setdefault(isa, []).append(y)
+            for row in range(m):
+                alone = qmm.quantized_matmul(x[row : row + 1], wq, scales, biases, group_size, bits)
+                assert np.array_equal(np.array(alone)[0], y[row]), (isa, vnni, row)
+        assert "AVX2" in outs  # every machine the kernel builds for has it
+        for ys in outs.values():  # VNNI or not: the same integers, the same floats
+            assert all(np.array_equal(y, ys[0]) for y in ys)
 
 
 def test_rows_threads_and_the_setting(ext):
-    """Any thread count gives the same floats; "float" gives the float kernel's (which
-    differ from int16's), and the setting is refused with a typo."""
+    """Any thread count gives the same floats, on each ISA; "float" gives the float
+    kernel's (which differ from int16's), and the setting is refused with a typo."""
     wq, scales, biases = mx.quantize(
         mx.random.normal((1536, 576), key=mx.random.key(7)), group_size=32, bits=4
     )
     x = mx.random.normal((5, 576), key=mx.random.key(8))
+    for _isa, _vnni in each_path(ext):
+        together = np.array(qmm.quantized_matmul(x, wq, scales, biases, 32, 4))
+        try:
+            qmm.set_threads(1)
+            one = np.array(qmm.quantized_matmul(x, wq, scales, biases, 32, 4))
+        finally:
+            qmm.set_threads(0)
+        assert np.array_equal(one, together)
     together = np.array(qmm.quantized_matmul(x, wq, scales, biases, 32, 4))
-    try:
-        qmm.set_threads(1)
-        one = np.array(qmm.quantized_matmul(x, wq, scales, biases, 32, 4))
-    finally:
-        qmm.set_threads(0)
-    assert np.array_equal(one, together)
     assert qmm.decode_matmul() == "int16"
     qmm.set_decode_matmul("float")
     assert qmm.decode_matmul() == "float"

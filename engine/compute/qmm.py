@@ -10,12 +10,13 @@ floats through a 16-entry table lookup, and each group's scale and bias are
 factored out of the sum (one FMA per weight). Other widths, and CPUs with
 AVX2 only, take csrc/qmm_kernels.cpp, which unpacks 32 values at a time into
 AVX2 registers. With the `decode_matmul` setting "int16" (the default),
-4- and 8-bit weights on AVX-512 take csrc/qmm_avx512_int.cpp instead: x
-rounded per block of 32 exactly as the prompt GEMM rounds it, integer dot
-products (VNNI where present), one column's weights read as one stream: ~2x
-the float kernel's speed over a 1.2B model's weights (a core's memory
-bandwidth), for x's rounding (a top-5 next-token probability moves under
-0.001). Each unpacked vector serves every row of x; only large
+4- and 8-bit weights take csrc/qmm_avx512_int.cpp (qmm_avx2_int.cpp on CPUs
+without AVX-512) instead: x rounded per block of 32 exactly as the prompt
+GEMM rounds it, integer dot products (VNNI where present), one column's
+weights read as one stream: on AVX-512 ~1.5x the float kernel's speed over a
+1.2B model's weights on one core (a core's memory bandwidth), for x's
+rounding (a top-5 next-token probability moves under 0.001). Each unpacked
+vector serves every row of x; only large
 problems (256K weights x rows and up: the LM head, one row of a 576 x 576
 linear, batched steps) are split over the cores.
 
@@ -192,9 +193,10 @@ DECODE_CHOICES: dict[str, int] = {"int16": 16, "float": 0}
 
 
 def set_decode_matmul(choice: str) -> None:
-    """How 4- and 8-bit matmuls on the AVX-512 kernel take x, process-wide: "int16" rounds
+    """How 4- and 8-bit matmuls on flashserve's kernel take x, process-wide: "int16" rounds
     each row per block of 32 as the prompt GEMM does and multiplies with integer dot
-    products (csrc/qmm_avx512_int.cpp); "float" keeps x in float32 (csrc/qmm_avx512.cpp)."""
+    products (csrc/qmm_avx512_int.cpp, qmm_avx2_int.cpp); "float" keeps x in float32
+    (csrc/qmm_avx512.cpp, qmm_kernels.cpp)."""
     if choice not in DECODE_CHOICES:
         raise QmmError(f"decode_matmul {choice!r}: choose one of {', '.join(DECODE_CHOICES)}")
     if unavailable_reason() is None and hasattr(_state.module, "set_x_bits"):
@@ -202,15 +204,16 @@ def set_decode_matmul(choice: str) -> None:
 
 
 def decode_matmul() -> str:
-    """What 4- and 8-bit few-row matmuls on the AVX-512 kernel do with x now: int16 or float."""
+    """What 4- and 8-bit few-row matmuls on flashserve's kernel do with x now: int16 or float."""
     ext = extension()
-    on = ext is not None and hasattr(ext, "x_bits") and ext.x_bits() == 16 and ext.avx512_active()
+    on = ext is not None and hasattr(ext, "x_bits") and ext.x_bits() == 16
     return "int16" if on else "float"
 
 
 def set_vnni(on: bool) -> bool:
-    """Allow or forbid AVX-512 VNNI in the int16 kernel (tests check vpmaddwd's path, which
-    gives the same numbers); returns whether it is used now."""
+    """Allow or forbid VNNI (AVX-512 VNNI; AVX-VNNI on the AVX2 kernel) in the int16 kernels
+    (tests check vpmaddwd's path, which gives the same numbers); returns whether it is used
+    now."""
     if unavailable_reason() is not None:
         return False
     _state.module.set_vnni(on)

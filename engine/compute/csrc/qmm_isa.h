@@ -44,4 +44,13 @@ bool avx512_vnni_supported();
 // x rounded and laid out for avx512_int_columns, into `buf`.
 Prepared avx512_int_prepare(const QmmProblem& p, std::vector<float>& buf);
 
+// The same kernel on 256-bit vectors for CPUs with AVX2 but not AVX-512
+// (qmm_avx2_int.cpp): vpdpwssd where the CPU has AVX-VNNI and `vnni` allows it.
+ColumnsFn avx2_int_columns(int bits, ScaleType st, bool vnni);
+bool avxvnni_supported();
+
+// x rounded per block of 32 and laid out for a load of `words` words of packed
+// weights (16: AVX-512, 8: AVX2), into `buf` (qmm_int_prepare.cpp).
+Prepared int_prepare(const QmmProblem& p, int words, std::vector<float>& buf);
+
 }  // namespace flashserve_qmm::detail

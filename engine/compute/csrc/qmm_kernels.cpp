@@ -439,7 +439,10 @@ int x_bits() { return g_x_bits.load(); }
 
 void set_vnni(bool allowed) { g_vnni_allowed.store(allowed); }
 
-bool vnni_active() { return g_vnni_allowed.load() && detail::avx512_vnni_supported(); }
+bool vnni_active() {
+  return g_vnni_allowed.load() &&
+         (avx512_active() ? detail::avx512_vnni_supported() : detail::avxvnni_supported());
+}
 
 bool avx512_active() { return g_avx512_allowed.load() && detail::avx512_supported(); }
 
@@ -464,14 +467,16 @@ void run_shared(const QmmProblem* ps, int count) {
   const QmmProblem& first = ps[0];
   if (first.M <= 0) return;
   const bool avx512 = avx512_active();
-  const bool integer = avx512 && g_x_bits.load() == 16 && (first.bits == 4 || first.bits == 8);
-  ColumnsFn fn = integer ? detail::avx512_int_columns(first.bits, first.scale_type, vnni_active())
-                 : avx512 ? detail::avx512_columns(first.bits, first.scale_type)
-                          : nullptr;
+  const bool integer = g_x_bits.load() == 16 && (first.bits == 4 || first.bits == 8);
+  const bool vnni = g_vnni_allowed.load();
+  ColumnsFn fn = integer && avx512 ? detail::avx512_int_columns(first.bits, first.scale_type, vnni)
+                 : integer         ? detail::avx2_int_columns(first.bits, first.scale_type, vnni)
+                 : avx512          ? detail::avx512_columns(first.bits, first.scale_type)
+                                   : nullptr;
   thread_local std::vector<float> xbuf;
   Prepared x;
   if (integer) {
-    x = detail::avx512_int_prepare(first, xbuf);
+    x = detail::int_prepare(first, avx512 ? 16 : 8, xbuf);
   } else if (fn != nullptr) {
     x = detail::avx512_prepare(first, xbuf);
   } else {

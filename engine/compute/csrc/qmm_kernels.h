@@ -49,11 +49,12 @@ bool shape_supported(int bits, int group_size, int K);
 void set_avx512(bool allowed);
 bool avx512_active();
 
-// Whether 4- and 8-bit problems on the AVX-512 kernel round x to int16 per
-// block of 32 and use integer dot products (16), or keep x in float32 (0,
-// the default here; the `decode_matmul` setting chooses). With 16, AVX-512
-// VNNI is used where the CPU has it and `set_vnni` allows it (tests turn it
-// off to check vpmaddwd's path, which gives the same numbers).
+// Whether 4- and 8-bit problems round x to int16 per block of 32 and use
+// integer dot products (16: the AVX-512 or the AVX2 int16 kernel), or keep x
+// in float32 (0, the default here; the `decode_matmul` setting chooses). With
+// 16, VNNI (AVX-512 VNNI, or AVX-VNNI on the AVX2 kernel) is used where the CPU
+// has it and `set_vnni` allows it (tests turn it off to check vpmaddwd's path,
+// which gives the same numbers).
 void set_x_bits(int bits);
 int x_bits();
 void set_vnni(bool allowed);
