@@ -13,6 +13,7 @@ import pytest
 from flashserve.engine.compute import prompt_matmul, qmm
 from flashserve.engine.config import EngineConfig
 from flashserve.engine.loader import load
+from flashserve.engine.speculative.draft import DraftModel
 from flashserve.engine.weights.sources import default_model_path
 
 from .test_gguf_gemma import gemma_path  # noqa: F401 (the Gemma GGUF, as a fixture)
@@ -143,3 +144,12 @@ def test_gemma_q4_k_m_int16_decode_keeps_float_probabilities(ext, gemma_path):  
     assert worst <= TOP5_BOUND, (worst, mean)
     assert mean > 0.0
     assert same_greedy
+
+
+def test_a_draft_model_load_keeps_the_process_setting(ext):
+    """decode_matmul is process-wide: loading the draft model for speculative decoding
+    (its own EngineConfig) must not reset a server's "float" to the default."""
+    loaded = load(EngineConfig(model=str(default_model_path()), decode_matmul="float"))
+    assert qmm.decode_matmul() == "float"
+    DraftModel.load(str(default_model_path()), loaded.tokenizer)
+    assert qmm.decode_matmul() == "float"

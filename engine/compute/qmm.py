@@ -210,6 +210,13 @@ def decode_matmul() -> str:
     return "int16" if on else "float"
 
 
+def process_settings() -> dict[str, str]:
+    """The process-wide kernel settings in force, as EngineConfig fields: for loading a
+    second model into this process (a draft model) without resetting them to defaults."""
+    chosen = "mlx" if _state.chosen == "mlx" else "auto"
+    return {"quantized_matmul": chosen, "decode_matmul": decode_matmul()}
+
+
 def set_vnni(on: bool) -> bool:
     """Allow or forbid VNNI (AVX-512 VNNI; AVX-VNNI on the AVX2 kernel) in the int16 kernels
     (tests check vpmaddwd's path, which gives the same numbers); returns whether it is used

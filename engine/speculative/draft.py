@@ -43,10 +43,12 @@ class DraftModel:
     @classmethod
     def load(cls, path: str, target_tokenizer: Any) -> DraftModel:
         """The draft model at `path`, checked against the target's tokenizer."""
+        from flashserve.engine.compute import qmm
         from flashserve.engine.config import EngineConfig
         from flashserve.engine.loader import load
 
-        loaded = load(EngineConfig(model=path))
+        # The kernels are chosen per process: the draft's load keeps the target's.
+        loaded = load(EngineConfig(model=path, **qmm.process_settings()))
         if _vocabulary(loaded.tokenizer) != _vocabulary(target_tokenizer):
             raise ValueError(f"draft model {path}: its vocabulary differs from the model's")
         if not can_trim_prompt_cache(make_prompt_cache(loaded.model)):
