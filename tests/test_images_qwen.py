@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import anthropic
+import openai
 import pytest
 
 from .conftest import NO_EOS, Server, start_server, stop_server
@@ -255,6 +256,31 @@ def test_a_sequence_joins_the_batch_at_its_rope_delta() -> None:
             assert part.offset.tolist() == [3, 7 - 2]
 
 
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen2_5_vl"])
+def test_token_counts_are_the_processors(kind: str, request: pytest.FixtureRequest) -> None:
+    """An image's tokens are counted from its size alone (no pixel touched while the
+    server renders), and the count is the one Qwen's processor cuts it into, for sizes
+    below, inside and past its pixel bounds; a shape it refuses is an ImageError."""
+    import numpy as np
+    from transformers import AutoImageProcessor
+
+    from flashserve.engine.config import EngineConfig
+    from flashserve.engine.loader import load
+    from flashserve.engine.vision.images import ImageError, decode_image
+
+    model = request.getfixturevalue("vlm_dir" if kind == "qwen3_5" else f"{kind}_dir")
+    vision = load(EngineConfig(model=str(model))).vision
+    processor = AutoImageProcessor.from_pretrained(str(model), backend="pil")
+    rng = np.random.default_rng(0)
+    for height, width in [(1, 1), (17, 300), (64, 96), (333, 97), *rng.integers(8, 400, (8, 2))]:
+        image = decode_image(png(10, (int(height), int(width))), 1 << 20)
+        cut = processor(images=[image.pixels], return_tensors="np")["image_grid_thw"][0]
+        assert vision.qwen.grid(image) == tuple(int(v) for v in cut), (height, width)
+        assert vision.count(image) == cut.prod() // 4  # merged 2 x 2
+    with pytest.raises(ImageError, match="cannot take"):
+        vision.count(decode_image(png(11, (2, 600)), 1 << 20))  # aspect ratio past 200
+
+
 # -- served ---------------------------------------------------------------------------
 
 
@@ -289,6 +315,18 @@ def test_the_image_reaches_the_model_through_every_api(server: Server) -> None:
     # n choices share one prefill (its caches copied per choice, positions and all).
     both = chat(server, ask_about(wide), bias=None, n=2)
     assert [c.message.content for c in both.choices] == [first.choices[0].message.content] * 2
+
+
+def test_an_image_the_processor_refuses_is_a_400_naming_its_part(server: Server) -> None:
+    """Qwen's processor refuses an aspect ratio past 200: the part's 400, never a 500,
+    and the server answers the next request."""
+    thin = [QUESTION, image_part(png(12, (2, 600)))]
+    with pytest.raises(openai.BadRequestError) as refused:
+        chat(server, thin)
+    body = refused.value.body
+    assert isinstance(body, dict) and body["param"] == "messages.0.content.1.image_url.url"
+    assert body["code"] == "invalid_image" and "cannot take" in body["message"]
+    assert chat(server, ask_about(png(12, WIDE))).usage.completion_tokens == OUT
 
 
 def conversation(image: bytes, answer: str) -> tuple[dict[str, Any], ...]:

@@ -11,15 +11,14 @@ mlx-vlm's language model from the prompt and the grids.
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
+import sys
 from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
-from flashserve.engine.vision.images import Image
+from flashserve.engine.vision.images import Image, ImageError
 from flashserve.engine.vision.mrope import Positions
 from flashserve.engine.vision.prompt import ImageTokens, real_tokens
 
@@ -27,7 +26,6 @@ ARCHITECTURES = ("qwen3_5", "qwen3_5_moe", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_m
 # Whose tower's deepstack features join the language model's first layers (Qwen3.5
 # has a deepstack in its config that its model does not use: mlx-vlm drops it).
 DEEPSTACK = ("qwen3_vl", "qwen3_vl_moe")
-_GRIDS_KEPT = 256  # images whose grid is remembered (a prompt's count and its positions)
 
 
 def image_tokens(config: Any, tokenizer: Any) -> ImageTokens:
@@ -47,23 +45,27 @@ class QwenImages:
         # Deepstack layers: the features carry one more (tokens, hidden) part for each.
         deepstack = getattr(vision, "deepstack_visual_indexes", None) or []
         self.deepstack = len(deepstack) if kind in DEEPSTACK else 0
-        self._grids: OrderedDict[str, tuple[int, int, int]] = OrderedDict()
-        self._lock = threading.Lock()  # the server's threads ask for counts, the worker's too
+        # The processor's own sizing (transformers' smart_resize, in its module).
+        self._resize = sys.modules[type(processor).__module__].smart_resize
         self.rotary = _rotary(model)
 
-    def _processed(self, image: Image) -> tuple[np.ndarray, tuple[int, int, int]]:
-        out = self.processor(images=[image.pixels], return_tensors="np")
-        t, h, w = (int(v) for v in np.asarray(out["image_grid_thw"])[0])
-        with self._lock:
-            self._grids[image.digest] = (t, h, w)
-            while len(self._grids) > _GRIDS_KEPT:
-                self._grids.popitem(last=False)
-        return np.asarray(out["pixel_values"]), (t, h, w)
-
     def grid(self, image: Image) -> tuple[int, int, int]:
-        with self._lock:
-            known = self._grids.get(image.digest)
-        return known if known is not None else self._processed(image)[1]
+        """The patches (t, h, w) the processor cuts the image into, from its size alone
+        (as the processor's get_number_of_image_patches counts them): counting a
+        request's tokens touches no pixel, as the server renders it on its event loop."""
+        processor = self.processor
+        patch, merge = int(processor.patch_size), int(processor.merge_size)
+        try:
+            height, width = self._resize(
+                image.height,
+                image.width,
+                patch * merge,
+                min_pixels=processor.size["shortest_edge"],
+                max_pixels=processor.size["longest_edge"],
+            )
+        except ValueError as exc:  # an aspect ratio past 200: the client's image
+            raise ImageError(f"the model's image processor cannot take the image: {exc}") from None
+        return 1, height // patch, width // patch
 
     def count(self, image: Image) -> int:
         t, h, w = self.grid(image)
@@ -71,7 +73,11 @@ class QwenImages:
 
     def features(self, image: Image) -> mx.array:
         """(tokens, hidden): the tower's merged patches (mlx-vlm's get_input_embeddings)."""
-        pixels, grid = self._processed(image)
+        processed = self.processor(images=[image.pixels], return_tensors="np")
+        pixels, grid = np.asarray(processed["pixel_values"]), self.grid(image)
+        cut = tuple(int(v) for v in np.asarray(processed["image_grid_thw"])[0])
+        if cut != grid:  # the prompt holds grid's tokens: other features cannot fill them
+            raise ImageError(f"the image processor cut the image into {cut} patches, not {grid}")
         tower = self.model.vision_tower
         dtype = tower.patch_embed.proj.weight.dtype
         out = tower(mx.array(pixels).astype(dtype), mx.array([grid]))

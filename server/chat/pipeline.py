@@ -76,7 +76,7 @@ async def render_chat(
     """(plan, prompt text, prompt token ids): what start_chat submits, and what a token
     count (Anthropic's count_tokens) counts, so the two never disagree."""
     # An image URL's bytes become its tokens, so they are fetched before anything renders.
-    await fetch_images(request.images, options.images)
+    await fetch_images(request.images, options.images, loaded.vision)
     plan = plan_chat(request, loaded.tokenizer, options)
     messages, tools = template_inputs(plan, request.messages)
     # Earlier turns' think blocks as the model saw them (chat/think_history.py):

@@ -120,10 +120,20 @@ class ImageParts:
                 "too_many_images",
             )
         try:
-            self.images.append(decode())
+            image = decode()
+            if isinstance(image, Image):
+                _sized(self.vision, image)
+            self.images.append(image)
         except ImageError as exc:
             raise invalid_request(str(exc), param, "invalid_image") from None
         return SENTINEL
+
+
+def _sized(vision: Any, image: Image) -> None:
+    """Raise ImageError when the model cannot make the image tokens (Qwen's processor
+    refuses some shapes): the part's 400 here, not a failure while the prompt renders."""
+    if vision is not None:
+        vision.count(image)
 
 
 # -- remote URLs (allow_image_urls) ----------------------------------------------------
@@ -142,9 +152,10 @@ def is_remote(url: str) -> bool:
     return url[:8].lower().startswith(("http://", "https://"))
 
 
-async def fetch_images(images: list[Any], limits: ImageLimits) -> None:
+async def fetch_images(images: list[Any], limits: ImageLimits, vision: Any = None) -> None:
     """A translated request's remote images (RemoteImage) made Images, in place: a
-    400 naming the first part, in the request's order, whose URL gave no image."""
+    400 naming the first part, in the request's order, whose URL gave no image (or one
+    `vision`, the model's VisionModel, cannot take)."""
     pending = [(i, image) for i, image in enumerate(images) if isinstance(image, RemoteImage)]
     if not pending or limits.fetch is None:
         return
@@ -167,6 +178,11 @@ async def fetch_images(images: list[Any], limits: ImageLimits) -> None:
                 remote.param,
                 "image_fetch_failed",
             )
+        if isinstance(result, Image):
+            try:
+                _sized(vision, result)
+            except ImageError as exc:
+                result = exc
         if isinstance(result, ImageError):
             raise invalid_request(str(result), remote.param, "invalid_image")
         if isinstance(result, BaseException):
