@@ -4,7 +4,9 @@ mlx-vlm builds the architecture's model from config.json (its own config
 normalization, weight sanitizing and quantization); only the vision tower
 and projector are given weights and evaluated. The language model mlx-vlm
 builds alongside is never evaluated (MLX initializes lazily), so it costs no
-memory: the language model that runs is the engine's mlx-lm model.
+memory: the language model that runs is the engine's mlx-lm model. For Qwen it
+still lends its configuration's arithmetic: the prompt's M-RoPE positions and
+the rotary embedding that applies them (vision/qwen.py).
 """
 
 from __future__ import annotations
