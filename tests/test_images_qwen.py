@@ -95,6 +95,7 @@ def ask_about(data: bytes) -> list[dict[str, Any]]:
 
 
 def _prompt(loaded: Any, images: list[Any], text: str) -> list[int]:
+    """A user turn with IMAGE where each image stands, rendered and marked."""
     from flashserve.engine.vision.prompt import SENTINEL
 
     turn = [{"role": "user", "content": text.replace("IMAGE", SENTINEL)}]
@@ -279,6 +280,56 @@ def test_token_counts_are_the_processors(kind: str, request: pytest.FixtureReque
         assert vision.count(image) == cut.prod() // 4  # merged 2 x 2
     with pytest.raises(ImageError, match="cannot take"):
         vision.count(decode_image(png(11, (2, 600)), 1 << 20))  # aspect ratio past 200
+
+
+@pytest.mark.parametrize("kind", ["qwen2_5_vl", "qwen3_vl"])
+def test_a_later_turn_from_the_cache_is_a_cold_prefill(
+    kind: str, request: pytest.FixtureRequest
+) -> None:
+    """Attention-only Qwen models reuse the whole first turn, its answer included: the
+    answer's keys were rotated while it decoded in the batch (offset + rope delta) and
+    the next turn's prompt continues after them. Its answer, logprobs and all, is a
+    cold prefill's of the whole conversation, where those tokens are prompt text."""
+    from flashserve.engine.config import EngineConfig
+    from flashserve.engine.generation.requests import (
+        DoneEvent,
+        GenerationRequest,
+        SamplingParams,
+    )
+    from flashserve.engine.generation.worker import Engine
+    from flashserve.engine.vision.images import decode_image
+
+    model = request.getfixturevalue(f"{kind}_dir")
+    warm = Engine(EngineConfig(model=str(model), max_batch=4, prompt_cache_bytes=1 << 28))
+    cold = Engine(EngineConfig(model=str(model), max_batch=4))
+    for engine in (warm, cold):
+        engine.start()
+        assert engine.wait_ready(120), engine.load_error
+    greedy = SamplingParams(temperature=0)
+
+    async def answer(engine: Engine, prompt: list[int]) -> tuple[list[Any], int]:
+        request = GenerationRequest(prompt, OUT, greedy, images=[image], logprobs=0)
+        events = [e async for e in engine.submit(request)]
+        done = next(e for e in events if isinstance(e, DoneEvent))
+        return [(e.token, e.logprob) for e in events if hasattr(e, "token")], done.cached_tokens
+
+    try:
+        loaded = warm.loaded
+        image = decode_image(png(13, WIDE), 1 << 20)
+        first = _prompt(loaded, [image], "Look: IMAGE. What is it?")
+        said, _ = asyncio.run(answer(warm, first))
+        # The next turn as the answer's own tokens continue it (this template writes
+        # a newline before a past answer that the generation prompt does not).
+        tail = "<|im_end|><|im_start|>user\nAnd its colours?<|im_end|><|im_start|>assistant"
+        later = [*first, *[t for t, _ in said], *loaded.tokenizer.encode(tail)]
+        cached, reused = asyncio.run(answer(warm, later))
+        fresh, none = asyncio.run(answer(cold, later))
+    finally:
+        warm.shutdown()
+        cold.shutdown()
+    assert none == 0 and reused > len(first) + OUT // 2  # the answer's keys too
+    assert [t for t, _ in cached] == [t for t, _ in fresh]
+    assert max(abs(a - b) for (_, a), (_, b) in zip(cached, fresh, strict=True)) < 1e-4
 
 
 # -- served ---------------------------------------------------------------------------
