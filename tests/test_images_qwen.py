@@ -252,6 +252,8 @@ def test_a_sequence_joins_the_batch_at_its_rope_delta() -> None:
         for cache, n in ((image, 7), (text, 3)):
             cache.update_and_fetch(mx.zeros((1, 1, n, 32)), mx.zeros((1, 1, n, 32)))
         assert image.offset.delta == -2
+        # Trimmed back (the prompt cache's prefix of another prompt): a plain offset.
+        assert type(image.offset - 1) is int
         batch = joining([text])[0].merge(joining([text, image]))  # the text one first
         for part in getattr(batch, "parts", None) or [batch]:
             assert part.offset.tolist() == [3, 7 - 2]

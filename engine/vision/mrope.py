@@ -98,6 +98,10 @@ class RopeOffset(int):
         out.positions = positions
         return out
 
+    # Subtracting gives a plain int (int's own __sub__): a cache trimmed back
+    # (`offset -= n`), as the prompt cache trims a state to another prompt's common
+    # prefix, no longer carries positions that were its old prompt's.
+
     def __add__(self, other: Any) -> Any:
         # The cache grows by `offset += n`: still the prompt's.
         if type(other) is int:
