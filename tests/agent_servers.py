@@ -50,13 +50,18 @@ def make_agent_model(out: Path, context: int = CONTEXT, **overrides: Any) -> Pat
     return make_model_dir(out, "llama", overrides=config, **spec)
 
 
-def make_agent_vlm(out: Path, context: int = CONTEXT) -> Path:
+def make_agent_vlm(out: Path, context: int = CONTEXT, kind: str = "gemma3") -> Path:
     """tests/test_images.py's tiny Gemma 3 vision-language model as an agent's: Qwen3's
     chat template (Hermes tool calls; the image placeholders are the template's text),
-    one layer and head as ONE_LAYER's, all of its attention global over a long context."""
-    from flashserve.engine.vision.synthetic import make_gemma3_vlm
+    one layer and head as ONE_LAYER's, all of its attention global over a long context.
+    `kind` "qwen3_vl": tests/test_images_qwen.py's Qwen3-VL (M-RoPE positions, deepstack)."""
+    from flashserve.engine.vision.synthetic import make_gemma3_vlm, make_qwen3_vl
 
     template = (scripted.FIXTURES / scripted.TEMPLATES["qwen3"]["chat_template"]).read_text()
+    if kind == "qwen3_vl":  # two layers: both take deepstack rows; one head, as ONE_LAYER
+        text = {"num_hidden_layers": 2, "num_attention_heads": 1, "num_key_value_heads": 1}
+        text.update(intermediate_size=64, max_position_embeddings=context)
+        return make_qwen3_vl(out, chat_template=template, text=text)
     text = {**ONE_LAYER, "head_dim": 32, "query_pre_attn_scalar": 32}
     text.update(max_position_embeddings=context, sliding_window_pattern=1)
     return make_gemma3_vlm(out, text=text, chat_template=template)

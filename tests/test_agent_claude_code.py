@@ -32,7 +32,9 @@ from .scripted import ScriptQueue, script_queue, scripted_server
 from .test_tool_images import PLACEHOLDER, PNG
 
 VERSION = "2.1.197"
-TOKENS_PER_IMAGE = 4  # the tiny vision-language model's (engine/vision/synthetic.py)
+# The tiny vision-language models' tokens for PNG's one pixel (engine/vision/synthetic.py):
+# Gemma 3's fixed 4; Qwen's processor sizes it up to 32 x 32 pixels, one token.
+TOKENS_PER_IMAGE = {"gemma3": 4, "qwen3_vl": 1}
 CONTEXT = 262144
 RUN_TIMEOUT_S = 420.0
 
@@ -203,11 +205,15 @@ def count_with(server: Server, sent: dict[str, Any], parts: list[dict[str, Any]]
     return answer.json()["input_tokens"]
 
 
-@pytest.fixture(scope="module")
-def vlm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """tests/test_images.py's tiny Gemma 3 vision-language model, made an agent's."""
+@pytest.fixture(scope="module", params=["gemma3", "qwen3_vl"])
+def vlm_server(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Server]:
+    """tests/test_images.py's tiny Gemma 3 vision-language model, made an agent's, and
+    tests/test_images_qwen.py's Qwen3-VL (M-RoPE positions, deepstack)."""
     pytest.importorskip("mlx_vlm", reason="the vision extra: pip install 'flashserve[vision]'")
-    path = make_agent_vlm(tmp_path_factory.mktemp("claude-code-vlm") / "tiny-gemma3", CONTEXT)
+    out = tmp_path_factory.mktemp("claude-code-vlm") / f"tiny-{request.param}"
+    path = make_agent_vlm(out, CONTEXT, request.param)
     with scripted_server(path, prompt_cache_bytes=2**30) as running:
         yield running
 
@@ -230,10 +236,11 @@ def test_read_of_a_png_reaches_a_vision_model(
     assert [p["type"] for p in parts if p["type"] == "image"] == ["image"]
     # The tower ran for the one image (the first request had none).
     assert images_encoded(vlm_server) == before + 1
-    # The image's tokens: its 4 placeholders and their markup, not a text placeholder.
+    # The image's tokens: its placeholders and their markup, not a text placeholder.
     text = [part for part in parts if part["type"] != "image"]
     with_image, without = count_with(vlm_server, sent, parts), count_with(vlm_server, sent, text)
-    assert with_image >= without + TOKENS_PER_IMAGE + 2, (with_image, without)
+    tokens = TOKENS_PER_IMAGE[Path(vlm_server.model_id).name.removeprefix("tiny-")]
+    assert with_image >= without + tokens + 2, (with_image, without)
 
 
 @pytest.fixture(scope="module")

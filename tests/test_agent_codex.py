@@ -281,13 +281,15 @@ def test_view_image_of_a_png_goes_on(
     assert [part["type"] for part in answer["output"]] == ["input_image"], answer
 
 
-@pytest.fixture(scope="module")
-def vlm_served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, list[Exchange]]]:
-    """tests/test_images.py's tiny Gemma 3 vision-language model, made an agent's."""
+@pytest.fixture(scope="module", params=["gemma3", "qwen3_vl"])
+def vlm_served(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Server, list[Exchange]]]:
+    """tests/test_images.py's tiny Gemma 3 vision-language model, made an agent's, and
+    tests/test_images_qwen.py's Qwen3-VL (M-RoPE positions, deepstack)."""
     pytest.importorskip("mlx_vlm", reason="the vision extra: pip install 'flashserve[vision]'")
-    with agent_server(make_agent_vlm(tmp_path_factory.mktemp("codex-vlm") / "tiny-gemma3")) as (
-        running
-    ):
+    out = tmp_path_factory.mktemp("codex-vlm") / f"tiny-{request.param}"
+    with agent_server(make_agent_vlm(out, kind=request.param)) as running:
         yield running
 
 

@@ -222,23 +222,32 @@ def make_qwen2_5_vl(out: str | Path, *, seed: int = 0, max_pixels: int = 84 * 84
 
 
 def make_qwen3_vl(
-    out: str | Path, *, seed: int = 0, moe: bool = False, max_pixels: int = 96 * 96
+    out: str | Path,
+    *,
+    seed: int = 0,
+    moe: bool = False,
+    max_pixels: int = 96 * 96,
+    chat_template: str | None = None,
+    text: dict | None = None,
 ) -> Path:
     """A Qwen3-VL model (`moe`: Qwen3-VL-MoE): 4 qwen3 text layers (heads of 32, all
     rotated by M-RoPE in interleaved sections), a 2-layer tower on 16-pixel patches
     merged 2 x 2 whose two layers' deepstack features join the first two text layers'
-    hidden states."""
+    hidden states. `chat_template` replaces the tokenizer's ChatML (the agent tests'
+    Qwen3 template), `text` changes the text config (their one head, long context)."""
     from mlx_vlm.models import qwen3_vl, qwen3_vl_moe
 
     family = qwen3_vl_moe if moe else qwen3_vl
     kind = "qwen3_vl_moe" if moe else "qwen3_vl"
     out = Path(out)
-    vocab, ids = _qwen_tokenizer(out)
+    vocab, ids = _qwen_tokenizer(out, chat_template)
+    overrides = text or {}
     text = {
         **_qwen_text(kind, vocab, heads=2, kv_heads=1),
         "rope_theta": 10000.0,
         "rope_scaling": {"rope_type": "default", "mrope_section": [8, 4, 4],
                          "mrope_interleaved": True},
+        **overrides,
     }  # fmt: skip
     if moe:
         text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
@@ -253,10 +262,12 @@ def make_qwen3_vl(
     return out
 
 
-def _qwen_tokenizer(out: Path) -> tuple[int, dict[str, int]]:
+def _qwen_tokenizer(out: Path, chat_template: str | None = None) -> tuple[int, dict[str, int]]:
     """The tokenizer with Qwen's image markup; its size, and the config's token ids."""
     out.mkdir(parents=True, exist_ok=True)
-    vocab = build_tokenizer(out, extra_special_tokens=QWEN_IMAGE_TOKENS)
+    vocab = build_tokenizer(
+        out, chat_template=chat_template, extra_special_tokens=QWEN_IMAGE_TOKENS
+    )
     with open(out / "tokenizer.json") as f:
         ids = {t["content"]: t["id"] for t in json.load(f)["added_tokens"]}
     return vocab, {
