@@ -185,6 +185,7 @@ def test_positions_and_decode_are_mlx_vlms(kind: str, request: pytest.FixtureReq
     from flashserve.engine.generation.worker import Engine
     from flashserve.engine.vision.embed import image_embedder
     from flashserve.engine.vision.images import decode_image
+    from flashserve.engine.vision.mrope import RopeOffset
 
     engine = Engine(EngineConfig(model=str(vlm_dir), max_batch=4))
     engine.start()
@@ -200,7 +201,12 @@ def test_positions_and_decode_are_mlx_vlms(kind: str, request: pytest.FixtureReq
         def first_logits(place: bool) -> mx.array:
             cache = make_prompt_cache(loaded.model)
             embed = image_embedder(loaded, prompt, images, None, cache if place else None)
-            return prefill_alone(loaded.model, prompt, cache, 0, 7, embed=embed)
+            logits = prefill_alone(loaded.model, prompt, cache, 0, 7, embed=embed)
+            offsets = [c.offset for c in cache if isinstance(getattr(c, "offset", 0), RopeOffset)]
+            # Placed, every attention cache has them; Qwen3-VL's chunks left no rows behind.
+            assert len(offsets) == (sum(hasattr(c, "keys") for c in cache) if place else 0)
+            assert not any(o.positions.deepstack for o in offsets)
+            return logits
 
         reference, tokens = _reference(vlm_dir, loaded, prompt, images, OUT)
         assert mx.abs(first_logits(True) - reference).max().item() < 1e-4

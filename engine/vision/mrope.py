@@ -167,14 +167,17 @@ def install_deepstack(layers: Sequence[nn.Module], count: int) -> None:
     mlx-vlm's language model does). The layers' class gains the step (the instance
     keeps its weights and their names); the chunk's rows come with its cache's
     positions, so a layer without them (a decode step) runs as it was."""
-    for index, layer in enumerate(layers[:count]):
+    taking = layers[:count]
+    for index, layer in enumerate(taking):
         if not isinstance(layer, _Deepstack):
             layer.__class__ = _deepstack_class(type(layer))
         layer._deepstack_index = index
+        layer._deepstack_last = index == len(taking) - 1  # drops the chunk's rows
 
 
 class _Deepstack:
     _deepstack_index = 0
+    _deepstack_last = False
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         out = super().__call__(x, mask, cache)  # type: ignore[misc]
@@ -186,7 +189,7 @@ class _Deepstack:
         if entry is None:
             return out
         places, parts = entry
-        if self._deepstack_index == len(parts) - 1:
+        if self._deepstack_last:
             del offset.positions.deepstack[start]  # its last use
         # Each row adds its image row's part, a text row the zero row: out as it was.
         return out + parts[self._deepstack_index][places][None]
