@@ -186,6 +186,22 @@ def metric(text: str, name: str, **labels: str) -> float | None:
 # -- models ---------------------------------------------------------------------------
 
 
+@pytest.fixture
+def float_decode_x() -> Iterator[None]:
+    """decode_matmul "float" for one test, then what it was. The setting is process-wide
+    and every load() sets it (int16 by default), so a test that compares the few-row
+    kernel with MLX's float path to float32 rounding pins it rather than inherit it
+    from whichever test ran before."""
+    from flashserve.engine.compute import qmm
+
+    ext = qmm.extension()
+    before = ext.x_bits() if ext is not None and hasattr(ext, "x_bits") else 0
+    qmm.set_decode_matmul("float")
+    yield
+    if ext is not None and hasattr(ext, "set_x_bits"):
+        ext.set_x_bits(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_model_dir(tmp_path_factory.mktemp("models") / "tiny-llama", "llama")

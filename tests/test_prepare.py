@@ -199,7 +199,9 @@ def test_requantize_mixed_widths(tmp_path_factory, tmp_path):
     assert mx.array_equal(streamed, resident)
     # Plain mlx-lm computes prompts in float: so does prompt_matmul = "float" (the
     # default int16 rows differ from it by rounding: compute/prompt_matmul.py).
-    floats = load(EngineConfig(model=str(out), prompt_matmul="float")).model(tokens)
+    floats = load(EngineConfig(model=str(out), prompt_matmul="float", decode_matmul="float")).model(
+        tokens
+    )
     assert mx.allclose(model(tokens), floats, atol=1e-5)
 
 

@@ -106,6 +106,7 @@ def test_a_kept_weight_is_dequantized_once_with_the_same_numbers(monkeypatch):
     assert prompt_matmul._kept.slices is None
 
 
+@pytest.mark.usefixtures("float_decode_x")  # against the BLAS rows to float rounding
 @pytest.mark.parametrize("bits", [4, 8])
 def test_large_weights_take_the_kernel_as_decode_does(monkeypatch, bits):
     """A weight whose float copy reaches KERNEL_MIN_FLOAT_BYTES runs its prompt rows on
