@@ -19,8 +19,6 @@
 // numbers alone and in a batch, with VNNI or without it.
 #include <immintrin.h>
 
-#include <cstring>
-
 #include "qmm_avx512_parts.h"
 
 namespace flashserve_qmm::detail {
@@ -53,10 +51,6 @@ inline __m512i idot(__m512i acc, __m512i w, __m512i x) { return _mm512_dpwssd_ep
 #include "qmm_int_tile.inc"
 }  // namespace int_vnni
 #pragma GCC pop_options
-
-Prepared avx512_int_prepare(const QmmProblem& p, std::vector<float>& buf) {
-  return int_prepare(p, 16, buf);
-}
 
 bool avx512_vnni_supported() {
   __builtin_cpu_init();

@@ -41,9 +41,6 @@ Prepared avx512_prepare(const QmmProblem& p, std::vector<float>& buf);
 ColumnsFn avx512_int_columns(int bits, ScaleType st, bool vnni);
 bool avx512_vnni_supported();
 
-// x rounded and laid out for avx512_int_columns, into `buf`.
-Prepared avx512_int_prepare(const QmmProblem& p, std::vector<float>& buf);
-
 // The same kernel on 256-bit vectors for CPUs with AVX2 but not AVX-512
 // (qmm_avx2_int.cpp): vpdpwssd where the CPU has AVX-VNNI and `vnni` allows it.
 ColumnsFn avx2_int_columns(int bits, ScaleType st, bool vnni);
