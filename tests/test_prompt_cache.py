@@ -292,3 +292,44 @@ def test_diverging_conversations_reuse_exactly_the_common_prefix(tmp_path: Path)
             answer = tokenizer.encode(reply, add_special_tokens=False)
             stored += [prompt[:-1], prompt + answer + [eos]]
     assert want > 0  # the last turn shares the conversation's start
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_next"])
+def test_a_prompts_state_serves_a_second_request_while_the_first_still_answers(
+    cache_arch_dirs: dict[str, Path], arch: str
+):
+    """BASE[:-1]'s state is stored once the first request's first token is out
+    (attention KV, cut back from the live cache), or at its prompt's end
+    (recurrent state, which cannot be cut back); a second request with the same
+    prompt, sent while the first still generates, starts from it and answers
+    what a cold run answers."""
+    cold = _engine(cache_arch_dirs[arch])
+    warm = _engine(cache_arch_dirs[arch], prompt_cache_bytes=1 << 30, max_batch=4)
+
+    async def overlapping() -> tuple[list[int], tuple[list[int], int]]:
+        long = warm.submit(
+            GenerationRequest(
+                prompt_tokens=BASE,
+                max_tokens=40,
+                sampling=SamplingParams(temperature=0.0, logit_bias=NO_EOS_BIAS),
+            )
+        )
+        first: list[int] = []
+        async for event in long:
+            if isinstance(event, TokenEvent):
+                first.append(event.token)
+                if len(first) == 2:
+                    break
+        second = await _one(warm, BASE)
+        long.cancel()
+        return first, second
+
+    try:
+        ((expected, _),) = _in_turn(cold, [BASE])
+        first, (tokens, cached) = asyncio.run(overlapping())
+    finally:
+        cold.shutdown()
+        warm.shutdown()
+    assert first == expected[:2]
+    assert tokens == expected
+    assert cached == len(BASE) - 1

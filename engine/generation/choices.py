@@ -73,6 +73,7 @@ class Choice:
     first_token_at: float | None = None
     generated: int = 0
     failed: BaseException | None = None
+    prompt_end_pending: bool = False  # prompt[:-1]'s state is stored after the first token
 
     def emit(self, token: int, logprobs: mx.array | None) -> None:
         """Send `token` (its text once the detokenizer and stop strings release it)."""

@@ -4,7 +4,12 @@ Three moments of a sequence in the batch (worker.py calls these), and one
 of a prompt with images, prefilled outside it (`prefix_keeper`):
 - its prefill reaches prompt[:-1]: the longest prefix any later prompt can
   reuse (BatchGenerator splits each prompt's last token into a segment of its
-  own, so the end of the first segment is exactly that state);
+  own, so the end of the first segment is exactly that state). A state that
+  can be trimmed is taken only once the first token is out, cut back to
+  prompt[:-1]: the stored state shares the live cache's buffers, so the next
+  step's write into them copies the whole cache (~50 ms for a 1.2B model's
+  800 tokens), and that copy then lands after the first token, not in its
+  TTFT. A recurrent state cannot be cut back: it is stored at once;
 - it is cancelled part way through its prefill: what was prefilled, so a
   client that gave up (an idle timeout, a dropped connection) and retries
   resumes there instead of at token 0;
@@ -19,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
 from flashserve.engine.generation.choices import Choice
 from flashserve.engine.prompt_cache.cache import PromptCache
@@ -26,11 +32,15 @@ from flashserve.engine.prompt_cache.cache import PromptCache
 log = logging.getLogger(__name__)
 
 
-def store_prompt_ends(
-    cache: PromptCache, batch: BatchGenerator, active: dict[int, Choice], responses: Any
-) -> None:
-    """Store the state of prompts whose prefill reached prompt[:-1] in this step."""
-    done = [
+def prompt_ends(
+    batch: BatchGenerator, active: dict[int, Choice], responses: Any, generated: Any
+) -> list[tuple[list[int], list[Any]]]:
+    """The states to store, as (tokens, state), of prompts whose prefill reached
+    prompt[:-1] in this step (`responses`, the batch's prompt responses) or, for a
+    state that can be trimmed, whose first token this step produced (`generated`).
+    Taken now, while every sequence is in the batch; stored once the step's tokens
+    are out (`PromptCache.store` may copy the state for its disk tier)."""
+    ended = [
         r.uid
         for r in responses
         if r.end_of_segment
@@ -38,10 +48,30 @@ def store_prompt_ends(
         and r.uid in active
         and active[r.uid].handle.request.use_prompt_cache
     ]
-    if not done:
-        return
-    for uid, (state, _) in batch.extract_cache(done).items():
-        cache.store(list(active[uid].handle.request.prompt_tokens[:-1]), state)
+    # A sequence this step finished left the batch: its answer's state, stored
+    # as it ends, covers prompt[:-1] (trimmed when a later prompt diverges).
+    due = [
+        r.uid
+        for r in generated
+        if r.finish_reason is None and r.uid in active and active[r.uid].prompt_end_pending
+    ]
+    if not ended and not due:
+        return []
+    states = []
+    for uid, (state, tokens) in batch.extract_cache(ended + due).items():
+        choice = active[uid]
+        prompt = choice.handle.request.prompt_tokens
+        if uid in due:
+            choice.prompt_end_pending = False
+            extra = len(tokens) - (len(prompt) - 1)
+            if extra < 0 or not can_trim_prompt_cache(state):
+                continue  # (a sliding window that filled meanwhile): nothing exact to keep
+            trim_prompt_cache(state, extra)
+        elif can_trim_prompt_cache(state):
+            choice.prompt_end_pending = True
+            continue
+        states.append((list(prompt[:-1]), state))
+    return states
 
 
 def prefix_keeper(

@@ -25,7 +25,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from flashserve.engine.compute import blas, heap
 from flashserve.engine.config import EngineConfig
 from flashserve.engine.distributed.mirror import Mirror, load_model
-from flashserve.engine.generation import decode_step, fairness, prompt_states
+from flashserve.engine.generation import decode_step, fairness, first_token, prompt_states
 from flashserve.engine.generation.choices import Choice, Start, keep_first_space
 from flashserve.engine.generation.memory_guard import MemoryGuard, kv_tokens
 from flashserve.engine.generation.prefill import (
@@ -207,12 +207,8 @@ class Engine:
     def _new_batch(self) -> BatchGenerator:
         assert self.loaded is not None
         loaded = self.loaded
-        compile_ok = (
-            self.config.compile_decode
-            and loaded.streamer is None
-            and loaded.experts is None
-            and self.mirror is None
-        )
+        compile_ok = self.config.compile_decode and self.mirror is None
+        compile_ok = compile_ok and loaded.streamer is None and loaded.experts is None
         batch = BatchGenerator(
             decode_step.for_model(loaded.model, compile=compile_ok),
             completion_batch_size=self.config.max_batch,
@@ -222,6 +218,7 @@ class Engine:
         if self.mirror is None:  # the ranks of a split model step alike: plain steps only
             self.speculation.install(batch, loaded.tokenizer)
             fairness.gate(batch)  # beside other engines: another's prefill first, briefly
+            first_token.gate(batch)  # on the CPU: out before the step after it runs
         return batch if self.mirror is None else self.mirror.wrap(batch)  # type: ignore[return-value]
 
     def _loop(self) -> None:
@@ -268,14 +265,15 @@ class Engine:
             return
         self.stats.batch_size = len(active)
         read_before = self.weight_bytes_read()
-        prompt_responses, responses = batch.next()
+        prompts, responses = batch.next()
         prefilled_at = time.perf_counter()
-        for response in prompt_responses:
+        for response in prompts:
             choice = active.get(response.uid) if response.end_of_prompt else None
             if choice is not None and choice.prefilled_at is None:  # else prefilled outside
                 choice.prefilled_at = prefilled_at
+        ends = []
         if self.prompt_cache is not None and self.config.prompt_prefix_states:
-            prompt_states.store_prompt_ends(self.prompt_cache, batch, active, prompt_responses)
+            ends = prompt_states.prompt_ends(batch, active, prompts, responses)
         self.stats.steps += 1
         self.stats.batch_size_sum += len(active)
         self.stats.batch_size_steps[bisect.bisect_left(BATCH_SIZE_BUCKETS, len(active))] += 1
@@ -283,6 +281,8 @@ class Engine:
         self.stats.kv_cache_bytes = batch.prompt_cache_nbytes
         for response in responses:
             self._on_token(batch, active, response)
+        for tokens, state in ends:  # after the step's tokens: a store may copy its state
+            self.prompt_cache.store(tokens, state)  # type: ignore[union-attr]
         for uid in [u for u, a in active.items() if a.failed]:
             batch.remove([uid])
             self._fail(active, uid, active[uid].failed)

@@ -146,16 +146,18 @@ class PromptCache:
         if not tokens or (self.max_bytes <= 0 and self.disk is None):
             return
         tokens = list(tokens)
-        if self.max_bytes > 0:
-            self._store.insert_cache(self.model_key, tokens, cache)
-            self.memory_stats.stored += 1
         if self.disk is not None and not self.disk.contains(tokens):
             try:
-                self.disk.put(prompt_files.prepare(tokens, cache))
+                # Memory keeps the copy the disk write reads (files.prepare_sharing).
+                entry, cache = prompt_files.prepare_sharing(tokens, cache)
+                self.disk.put(entry)
             except Exception as exc:  # the disk tier is an extra: never fail a request for it
                 if not self._unstorable_logged:
                     log.warning("prompt cache states of this model stay in memory: %s", exc)
                     self._unstorable_logged = True
+        if self.max_bytes > 0:
+            self._store.insert_cache(self.model_key, tokens, cache)
+            self.memory_stats.stored += 1
 
     def shrink(self, deficit: int) -> int:
         """Give back up to `deficit` bytes (oldest entries first); return bytes freed.

@@ -130,20 +130,31 @@ def prepare(tokens: list[int], cache: list[Any]) -> PreparedEntry:
 
     Raises TypeError when the state holds something that cannot be stored.
     """
+    return prepare_sharing(tokens, cache)[0]
+
+
+def prepare_sharing(tokens: list[int], cache: list[Any]) -> tuple[PreparedEntry, list[Any]]:
+    """`prepare`, and the state rebuilt on the entry's own bytes (no second copy).
+
+    The memory tier keeps that one: a stored state that is a view of the batch's
+    live cache would make the batch's next write copy its whole cache (MLX
+    copies a buffer something else still holds), and the entry's bytes are a
+    copy already.
+    """
     arrays: list[mx.array] = []
     skeleton = [[type(c).__name__, _skeleton(c.state, arrays)] for c in cache]
     views = [mx.contiguous(a).reshape(-1).view(mx.uint8) for a in arrays]
     mx.eval(*views)
-    return PreparedEntry(
+    described = [(_DTYPE_NAMES[a.dtype], list(a.shape)) for a in arrays]
+    entry = PreparedEntry(
         tokens=[int(t) for t in tokens],
         trimmable=bool(mlx_cache.can_trim_prompt_cache(cache)),
         skeleton=skeleton,
-        arrays=[
-            (_DTYPE_NAMES[a.dtype], list(a.shape), memoryview(v))
-            for a, v in zip(arrays, views, strict=True)
-        ],
+        arrays=[(d, s, memoryview(v)) for (d, s), v in zip(described, views, strict=True)],
         splittable=prompt_segments.splittable(tokens, cache),
     )
+    shared = _build(skeleton, [(d, s, v) for (d, s), v in zip(described, views, strict=True)])
+    return entry, shared
 
 
 def write(

@@ -2,7 +2,8 @@
 
 Speculative decoding uses most of them; the compiled decode step
 (generation/decode_step.py) reads and moves BatchKVCache's write position too,
-and generation/fairness.py asks whether a batch's next step prefills.
+generation/fairness.py asks whether a batch's next step prefills, and
+generation/first_token.py whether it emits a sequence's first token.
 
 mlx-lm's continuous batching has no public hook for a step that emits several
 tokens per sequence, nor for taking a batch's KV cache back per sequence, so
@@ -91,6 +92,11 @@ def generation_batch(batch: BatchGenerator) -> GenerationBatch:
 
 def set_generation_batch(batch: BatchGenerator, generation: GenerationBatch) -> None:
     batch._generation_batch = generation
+
+
+def emitted_counts(batch: BatchGenerator) -> list[int]:
+    """Tokens each decoding sequence has emitted (0: its next step emits its first)."""
+    return batch._generation_batch._num_tokens
 
 
 def live_uids(batch: BatchGenerator, uids: list[int]) -> set[int]:

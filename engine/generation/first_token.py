@@ -1,0 +1,74 @@
+"""On the CPU, a sequence's first token leaves before the step after it runs.
+
+mlx-lm's GenerationBatch starts each step's successor before it hands back
+the step's tokens (`mx.async_eval` of the next tokens, then an eval of the
+current ones): on a GPU the two overlap. On the CPU, `async_eval` returns
+only once most of the work it was given has run (MLX's scheduler bounds the
+tasks in flight), so a step's tokens reach the worker after the following
+step has been computed, and a request's first token waits one decode step
+longer than it needs to: ~7 ms on the default model, ~30 ms on a 1.2B one,
+and under a memory cap a step that streams every layer not resident.
+
+So when the batch's next step emits some sequence's first token, that
+step's successor is left lazy (mlx-lm's `async_eval` does nothing for the
+step): it runs in the step after, as part of that step's work. The same
+arrays are computed in the same order, so tokens are unchanged; only when
+a token is handed back moves. Other steps keep mlx-lm's overlap, which on
+the CPU still hides the worker's own bookkeeping behind the step's tail.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import mlx.core as mx
+
+from flashserve.engine.speculative.mlx_lm_internals import emitted_counts
+
+# The module: the package `mlx_lm` exports a function of the same name.
+_GENERATE = importlib.import_module("mlx_lm.generate")
+
+
+class _LazyNext:
+    """`mlx.core` as mlx-lm's generate module sees it during such a step."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(mx, name)
+
+    @staticmethod
+    def async_eval(*arrays: Any) -> None:
+        """Left to the step after (see the module's docstring)."""
+
+
+_LAZY = _LazyNext()
+
+
+def first_token_due(batch: Any) -> bool:
+    """Whether the batch's next step emits some sequence's first token."""
+    return 0 in emitted_counts(batch)
+
+
+def gate(batch: Any) -> None:
+    """Make `batch.next` leave the successor of a first token's step lazy on the CPU."""
+    if mx.default_device().type != mx.DeviceType.cpu:
+        return
+    step = batch.next
+
+    def next_step() -> Any:
+        if not first_token_due(batch):
+            return step()
+        _GENERATE.mx = _LAZY
+        try:
+            prompts, generated = step()
+        finally:
+            _GENERATE.mx = mx
+        # A sequence that ended here hands over its cache with the successor's
+        # writes still lazy: computed now, not in the TTFT of the prompt that
+        # reuses that state.
+        ended = [r.prompt_cache for r in generated if r.prompt_cache is not None]
+        if ended:
+            mx.eval([c.state for cache in ended for c in cache])
+        return prompts, generated
+
+    batch.next = next_step
