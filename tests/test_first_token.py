@@ -2,7 +2,7 @@
 
 mlx-lm starts each step's successor (`mx.async_eval`) before it returns the
 step's tokens; on the CPU that call runs most of the successor, so the first
-token would wait a whole decode step (generation/first_token.py). The step
+token would wait a whole decode step (generation/fairness.py). The step
 that emits a sequence's first token leaves its successor lazy; tokens are
 those of an engine without the gate, alone and in a batch.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from flashserve.engine.config import EngineConfig
-from flashserve.engine.generation import first_token
+from flashserve.engine.generation import fairness
 from flashserve.engine.generation.requests import GenerationRequest, SamplingParams, TokenEvent
 from flashserve.engine.generation.worker import Engine
 
@@ -47,12 +47,12 @@ def test_first_token_steps_leave_their_successor_lazy_and_tokens_unchanged(
     cache_arch_dirs: dict[str, Path], arch: str, monkeypatch: pytest.MonkeyPatch
 ):
     lazy_steps: list[int] = []
-    monkeypatch.setattr(first_token._LazyNext, "async_eval", lambda *a: lazy_steps.append(1))
+    monkeypatch.setattr(fairness._LazyNext, "async_eval", lambda *a: lazy_steps.append(1))
     prompts = [BASE, GROWN, [*BASE, 3]]
     gated = _tokens(cache_arch_dirs[arch], prompts)
     # One step emits the lone request's first token; the batch of three
     # starts together, so its first tokens come out in one or a few steps.
     assert 2 <= len(lazy_steps) <= 4
-    monkeypatch.setattr(first_token, "gate", lambda batch: None)
+    monkeypatch.setattr(fairness, "first_token_gate", lambda batch: None)
     assert gated == _tokens(cache_arch_dirs[arch], prompts)
     assert all(len(t) == 6 for t in gated)

@@ -3,7 +3,6 @@ flashserve.engine but `bench`.
 
 - `worker`       Engine: the request queue, continuous batching on mlx-lm's
                  BatchGenerator, cancellation, stats.
-- `first_token`  on the CPU, a first token out before the step after it runs.
 - `decode_step`  a resident model's decode step as one compiled MLX function
                  (what BatchGenerator calls as the model).
 - `requests`     GenerationRequest, SamplingParams, the events a request

@@ -25,7 +25,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from flashserve.engine.compute import blas, heap
 from flashserve.engine.config import EngineConfig
 from flashserve.engine.distributed.mirror import Mirror, load_model
-from flashserve.engine.generation import decode_step, fairness, first_token, prompt_states
+from flashserve.engine.generation import decode_step, fairness, prompt_states
 from flashserve.engine.generation.choices import Choice, Start, keep_first_space
 from flashserve.engine.generation.memory_guard import MemoryGuard, kv_tokens
 from flashserve.engine.generation.prefill import (
@@ -218,7 +218,7 @@ class Engine:
         if self.mirror is None:  # the ranks of a split model step alike: plain steps only
             self.speculation.install(batch, loaded.tokenizer)
             fairness.gate(batch)  # beside other engines: another's prefill first, briefly
-            first_token.gate(batch)  # on the CPU: out before the step after it runs
+            fairness.first_token_gate(batch)  # on the CPU: out before the step after
         return batch if self.mirror is None else self.mirror.wrap(batch)  # type: ignore[return-value]
 
     def _loop(self) -> None:
@@ -532,7 +532,7 @@ class Engine:
         (choice.uid,) = batch.insert(
             [inputs],
             max_tokens=[max_tokens],
-            caches=batch_caches(self.loaded, cache),
+            caches=batch_caches(self.loaded, cache, len(inputs)),
             # The reused tokens are history for penalties, as in a cold prefill.
             all_tokens=[real_tokens(prompt[: min(reused, len(prompt))])],
             samplers=[sampler],

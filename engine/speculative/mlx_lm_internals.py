@@ -2,8 +2,8 @@
 
 Speculative decoding uses most of them; the compiled decode step
 (generation/decode_step.py) reads and moves BatchKVCache's write position too,
-generation/fairness.py asks whether a batch's next step prefills, and
-generation/first_token.py whether it emits a sequence's first token.
+generation/fairness.py asks whether a batch's next step prefills or emits a
+sequence's first token.
 
 mlx-lm's continuous batching has no public hook for a step that emits several
 tokens per sequence, nor for taking a batch's KV cache back per sequence, so

@@ -25,6 +25,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
+from flashserve.engine.kv.room import with_room
 from flashserve.engine.vision import mrope
 from flashserve.engine.vision.images import Image
 from flashserve.engine.vision.prompt import VIRTUAL_BASE, real_tokens, virtual_id
@@ -178,10 +179,12 @@ class ImageEncodes:
         return future
 
 
-def batch_caches(loaded: Any, cache: list[Any] | None) -> list[list[Any]] | None:
+def batch_caches(loaded: Any, cache: list[Any] | None, room: int = 0) -> list[list[Any]] | None:
     """What the worker inserts into the batch for a sequence whose state is `cache`
-    (None: the batch makes one). An M-RoPE model's caches all merge with their
-    sequence's rope delta: mlx-lm merges through the first, which may be any of them."""
+    (None: the batch makes one), merged with room for `room` more tokens
+    (kv/room.py). An M-RoPE model's caches all merge with their sequence's rope
+    delta: mlx-lm merges through the first, which may be any of them."""
+    cache = with_room(cache, room)
     vision = loaded.vision if loaded is not None else None
     if vision is None or vision.qwen is None:
         return [cache] if cache is not None else None
