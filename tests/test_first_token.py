@@ -47,7 +47,14 @@ def test_first_token_steps_leave_their_successor_lazy_and_tokens_unchanged(
     cache_arch_dirs: dict[str, Path], arch: str, monkeypatch: pytest.MonkeyPatch
 ):
     lazy_steps: list[int] = []
-    monkeypatch.setattr(fairness._LazyNext, "async_eval", lambda *a: lazy_steps.append(1))
+    real = fairness._StepMx.async_eval
+
+    def spy(self: fairness._StepMx, *arrays) -> None:
+        if getattr(self.local, "lazy", False):
+            lazy_steps.append(1)
+        real(self, *arrays)
+
+    monkeypatch.setattr(fairness._StepMx, "async_eval", spy)
     prompts = [BASE, GROWN, [*BASE, 3]]
     gated = _tokens(cache_arch_dirs[arch], prompts)
     # One step emits the lone request's first token; the batch of three

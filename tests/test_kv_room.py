@@ -45,10 +45,11 @@ def test_merge_with_room_writes_the_next_chunk_in_place_and_attends_alike(length
     assert plain.size() == roomy.size()
 
 
-def test_without_room_it_is_mlx_lms_merge():
+def test_without_room_the_buffer_is_exactly_the_longest_state():
+    """No room asked (a fresh prompt, or room 0): mlx-lm's merge, no memory past the state."""
     caches = [_filled(6, 1), _filled(2, 2)]
     ours = KVCache.merge(with_room(copy.deepcopy(caches), 0))
     theirs = BatchKVCache.merge(copy.deepcopy(caches))
-    assert ours.keys.shape == theirs.keys.shape
+    assert ours.keys.shape == theirs.keys.shape == (2, 2, 6, 8)
     assert mx.array_equal(ours.keys, theirs.keys).item()
-    assert ours.size() == theirs.size()
+    assert ours.size() == theirs.size() == 6

@@ -14,8 +14,8 @@ process never does. Tokens are unchanged: only when a step starts moves.
 
 On the CPU, a sequence's first token leaves before the step after it runs
 (`first_token_gate`). mlx-lm's GenerationBatch starts each step's successor
-before it hands back the step's tokens (`mx.async_eval` of the next tokens, then an eval of the
-current ones): on a GPU the two overlap. On the CPU, `async_eval` returns
+before it hands back the step's tokens (`mx.async_eval` of the next tokens,
+then an eval of the current ones): on a GPU the two overlap. On the CPU, `async_eval` returns
 only once most of the work it was given has run (MLX's scheduler bounds the
 tasks in flight), so a step's tokens reach the worker after the following
 step has been computed, and a request's first token waits one decode step
@@ -28,6 +28,10 @@ step): it runs in the step after, as part of that step's work. The same
 arrays are computed in the same order, so tokens are unchanged; only when
 a token is handed back moves. Other steps keep mlx-lm's overlap, which on
 the CPU still hides the worker's own bookkeeping behind the step's tail.
+mlx-lm's generate module sees `mlx.core` through `_StepMx` from the first
+gate on: the same functions, with `async_eval` skipped only on the thread
+whose step is a first token's (several engines' workers run that module's
+code at once).
 """
 
 from __future__ import annotations
@@ -96,18 +100,21 @@ def _wait_for_others(me: int) -> None:
         board.waited_s += time.monotonic() - start
 
 
-class _LazyNext:
-    """`mlx.core` as mlx-lm's generate module sees it during such a step."""
+class _StepMx:
+    """`mlx.core` as mlx-lm's generate module sees it (see the module's docstring)."""
+
+    def __init__(self) -> None:
+        self.local = threading.local()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(mx, name)
 
-    @staticmethod
-    def async_eval(*arrays: Any) -> None:
-        """Left to the step after (see the module's docstring)."""
+    def async_eval(self, *arrays: Any) -> None:
+        if not getattr(self.local, "lazy", False):
+            mx.async_eval(*arrays)
 
 
-_LAZY = _LazyNext()
+_STEP_MX = _StepMx()
 
 
 def first_token_due(batch: Any) -> bool:
@@ -119,16 +126,17 @@ def first_token_gate(batch: Any) -> None:
     """Make `batch.next` leave the successor of a first token's step lazy on the CPU."""
     if mx.default_device().type != mx.DeviceType.cpu:
         return
+    _GENERATE.mx = _STEP_MX
     step = batch.next
 
     def next_step() -> Any:
         if not first_token_due(batch):
             return step()
-        _GENERATE.mx = _LAZY
+        _STEP_MX.local.lazy = True
         try:
             prompts, generated = step()
         finally:
-            _GENERATE.mx = mx
+            _STEP_MX.local.lazy = False
         # A sequence that ended here hands over its cache with the successor's
         # writes still lazy: computed now, not in the TTFT of the prompt that
         # reuses that state.
