@@ -12,6 +12,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
+from flashserve.engine.kv import room
 from flashserve.engine.kv.room import with_room
 
 
@@ -22,8 +23,16 @@ def _filled(tokens: int, seed: int) -> KVCache:
     return cache
 
 
+@pytest.mark.parametrize("copy_op", ["flashserve", "mlx"])
 @pytest.mark.parametrize("lengths", [(5,), (5, 3), (300, 7)])
-def test_merge_with_room_writes_the_next_chunk_in_place_and_attends_alike(lengths):
+def test_merge_with_room_writes_the_next_chunk_in_place_and_attends_alike(
+    lengths, copy_op, monkeypatch: pytest.MonkeyPatch
+):
+    # The CPU's copy (csrc/step_cache.cpp: rows_with_room), or MLX's zeros and
+    # slice updates, which a GPU (or a build without the extension) takes.
+    assert copy_op == "mlx" or room.qmm.extension() is not None
+    if copy_op == "mlx":
+        monkeypatch.setattr(room.qmm, "extension", lambda: None)
     caches = [_filled(n, seed) for seed, n in enumerate(lengths)]
     plain = KVCache.merge(copy.deepcopy(caches))  # no room: mlx-lm's merge
     roomy = KVCache.merge(with_room(copy.deepcopy(caches), 40))

@@ -43,6 +43,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from flashserve.engine.prompt_cache import background as prompt_background
 from flashserve.engine.speculative.mlx_lm_internals import emitted_counts, prompts_pending
 
 # The module: the package `mlx_lm` exports a function of the same name.
@@ -62,6 +63,8 @@ class _Board:
 
 
 board = _Board()
+# The prompt cache's disk writer waits while a prompt prefills (prompt_cache/background.py).
+prompt_background.set_prefill_probe(lambda: bool(board.prefilling))
 
 
 def gate(batch: Any) -> None:
@@ -132,17 +135,12 @@ def first_token_gate(batch: Any) -> None:
     def next_step() -> Any:
         if not first_token_due(batch):
             return step()
+        # A sequence that ends here hands over its cache with the successor's writes
+        # still lazy: the worker evaluates what it stores (prompt_states.store_answers).
         _STEP_MX.local.lazy = True
         try:
-            prompts, generated = step()
+            return step()
         finally:
             _STEP_MX.local.lazy = False
-        # A sequence that ended here hands over its cache with the successor's
-        # writes still lazy: computed now, not in the TTFT of the prompt that
-        # reuses that state.
-        ended = [r.prompt_cache for r in generated if r.prompt_cache is not None]
-        if ended:
-            mx.eval([c.state for cache in ended for c in cache])
-        return prompts, generated
 
     batch.next = next_step

@@ -23,6 +23,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
@@ -111,11 +112,38 @@ def store_cancelled_prefill(
         )
 
 
-def store_answer(cache: PromptCache, choice: Choice, response: Any) -> None:
-    """Store the state after the prompt and its answer."""
-    if choice.handle.request.use_prompt_cache and response.prompt_cache is not None:
+def store_answers(cache: PromptCache | None, answers: list[tuple[Choice, Any]]) -> None:
+    """Store the states after the prompts and their answers that ended in this step
+    (a stop string's end brings none: `response.prompt_cache` is None).
+
+    The worker calls this once the step's tokens went out and before the answers'
+    ends do: a client's next turn, sent at the end, then finds the state.
+    (Ends first, then the store, would move its cost into that turn's TTFT; only a
+    client that waits between turns would gain.) A state is evaluated here: it
+    holds the batch's lazy writes of the step after (mlx-lm starts that step
+    before handing back the tokens; on the CPU a first token's step leaves it
+    lazy, generation/fairness.py), which would otherwise run in the TTFT of the
+    prompt that reuses it.
+    """
+    kept = [
+        (choice, response)
+        for choice, response in answers
+        if cache is not None
+        and choice.handle.request.use_prompt_cache
+        and response.prompt_cache is not None
+    ]
+    if not kept:
+        return
+    mx.eval([c.state for _, response in kept for c in response.prompt_cache])
+    for choice, response in kept:
         tokens = list(response.all_tokens)
         request = choice.handle.request
         if request.images:  # the batch saw their real ids (vision/prompt.py): keyed by hash
             tokens[: len(request.prompt_tokens)] = request.prompt_tokens
-        cache.store(tokens, response.prompt_cache)
+        cache.store(tokens, response.prompt_cache)  # type: ignore[union-attr]
+
+
+def store_prompt_ends(cache: PromptCache | None, ends: list[tuple[list[int], list[Any]]]) -> None:
+    """Store `prompt_ends`' states (after the step's tokens and ends: a store may copy)."""
+    for tokens, state in ends:
+        cache.store(tokens, state)  # type: ignore[union-attr]

@@ -279,10 +279,13 @@ class Engine:
         self.stats.batch_size_steps[bisect.bisect_left(BATCH_SIZE_BUCKETS, len(active))] += 1
         self.stats.last_step_read_bytes = self.weight_bytes_read() - read_before
         self.stats.kv_cache_bytes = batch.prompt_cache_nbytes
-        for response in responses:
-            self._on_token(batch, active, response)
-        for tokens, state in ends:  # after the step's tokens: a store may copy its state
-            self.prompt_cache.store(tokens, state)  # type: ignore[union-attr]
+        ended = [e for e in [self._on_token(batch, active, r) for r in responses] if e]
+        # Once every token of the step went out: the answers' states, then their ends
+        # (a client's next turn comes after), then the prompts' own (prompt_states.py).
+        prompt_states.store_answers(self.prompt_cache, [(active[r.uid], r) for r, _ in ended])
+        for response, finish in ended:
+            self._finish(active, response.uid, finish)
+        prompt_states.store_prompt_ends(self.prompt_cache, ends)
         for uid in [u for u, a in active.items() if a.failed]:
             batch.remove([uid])
             self._fail(active, uid, active[uid].failed)
@@ -544,24 +547,21 @@ class Engine:
         sampling = speculative_sampling(request.sampling, choice.index)
         self.speculation.register(choice.uid, request.speculative, sampling)
 
-    def _on_token(self, batch: BatchGenerator, active: dict[int, Choice], response) -> None:
+    def _on_token(self, batch: BatchGenerator, active: dict[int, Choice], response) -> Any:
+        """Send the token; (response, finish reason) where its answer ended."""
         entry = active.get(response.uid)
         if entry is None:
-            return
+            return None
         if entry.processors is not None and entry.processors.error is not None:
             entry.failed = entry.processors.error
-            return
+            return None
         finish = response.finish_reason
         if finish != "stop":  # "stop" from the batch means an EOS token: not emitted
             entry.emit(response.token, response.logprobs)
             if entry.stops.hit:
                 batch.remove([response.uid])
                 finish = "stop"
-        if finish is not None:
-            # A stop string ends the answer mid-batch: no final state comes with it.
-            if self.prompt_cache is not None and response.finish_reason is not None:
-                prompt_states.store_answer(self.prompt_cache, entry, response)
-            self._finish(active, response.uid, finish)
+        return None if finish is None else (response, finish)
 
     def _finish(self, active: dict[int, Choice], uid: int, reason: str) -> None:
         entry = active.pop(uid)

@@ -23,6 +23,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
+from flashserve.engine.compute import qmm
+
 _ROOM = "_flashserve_room"
 
 
@@ -50,18 +52,30 @@ def _merge_with_room(_: Any, caches: list[Any]) -> Any:
     # What mlx-lm's growth would make of the exact buffer for `room` tokens, to the
     # position: the batch's KV is the same size either way (memory plans, /memory).
     size = length + (room + step - 1) // step * step
-    keys = mx.zeros((len(caches), heads, size, k_dim), dtype=dtype)
-    values = mx.zeros((len(caches), heads, size, v_dim), dtype=dtype)
     padding = [length - n for n in lengths]
-    for i, (pad, c) in enumerate(zip(padding, caches, strict=True)):
-        if c.keys is not None:
-            keys[i : i + 1, :, pad : pad + c.offset] = c.keys[..., : c.offset, :]
-            values[i : i + 1, :, pad : pad + c.offset] = c.values[..., : c.offset, :]
+    ext = qmm.extension() if mx.default_device() == mx.cpu else None
+    if ext is not None and len(filled) == len(caches) and _same_heads(filled, heads):
+        # One memset and memcpy per head (csrc/step_cache.cpp): MLX's zeros and
+        # slice_update run at ~2.5 GB/s on the CPU, ~18 ms for the default model's
+        # 746 cached tokens, inside a next turn's TTFT.
+        keys = ext.rows_with_room([c.keys[..., : c.offset, :] for c in caches], padding, size)
+        values = ext.rows_with_room([c.values[..., : c.offset, :] for c in caches], padding, size)
+    else:
+        keys = mx.zeros((len(caches), heads, size, k_dim), dtype=dtype)
+        values = mx.zeros((len(caches), heads, size, v_dim), dtype=dtype)
+        for i, (pad, c) in enumerate(zip(padding, caches, strict=True)):
+            if c.keys is not None:
+                keys[i : i + 1, :, pad : pad + c.offset] = c.keys[..., : c.offset, :]
+                values[i : i + 1, :, pad : pad + c.offset] = c.values[..., : c.offset, :]
     merged = BatchKVCache(padding)
     merged.keys, merged.values = keys, values
     merged.offset += length
     merged._idx = length  # its write position (speculative/mlx_lm_internals.py checks it)
     return merged
+
+
+def _same_heads(caches: list[Any], heads: int) -> bool:
+    return all(c.keys.shape[1] == heads and c.values.shape[1] == heads for c in caches)
 
 
 KVCache.merge = classmethod(_merge_with_room)  # type: ignore[method-assign, assignment]

@@ -50,6 +50,7 @@ from typing import Any
 from mlx_lm.models.cache import PromptTrie
 
 from flashserve.engine.compute import heap
+from flashserve.engine.prompt_cache import background
 from flashserve.engine.prompt_cache import files as prompt_files
 from flashserve.engine.prompt_cache import segments as prompt_segments
 from flashserve.engine.prompt_cache.budget import WriteBudget
@@ -285,6 +286,7 @@ class DiskTier:
     # -- the writer thread ----------------------------------------------------------
 
     def _write_loop(self) -> None:
+        background.lower_priority()
         while (entry := self._jobs.get()) is not None:
             try:
                 self._write(entry)
@@ -324,7 +326,13 @@ class DiskTier:
         self._evict_to(self.max_bytes - nbytes + room, keep=keep | set(redundant))
         try:
             size = prompt_files.write(
-                self.directory / name, self.model, entry, start, parent, self.drop_page_cache
+                self.directory / name,
+                self.model,
+                entry,
+                start,
+                parent,
+                self.drop_page_cache,
+                background.pauser(),
             )
         except OSError as exc:
             log.warning("prompt cache entry not written (%s); disk tier goes on", exc)

@@ -35,6 +35,7 @@ import hashlib
 import json
 import os
 import struct
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -164,10 +165,12 @@ def write(
     start: int = 0,
     parent: str | None = None,
     drop_page_cache: bool = False,
+    pause: Callable[[], None] = lambda: None,
 ) -> int:
     """Write `entry` from position `start` on (continuing file `parent`) to `path`
     atomically (temp file, fsync, rename); return the file's bytes.
-    `drop_page_cache`: its pages leave the page cache once on disk."""
+    `drop_page_cache`: its pages leave the page cache once on disk. `pause` is
+    called between pieces of the work (prompt_cache/background.py)."""
     if (start or parent) and not entry.splittable:
         raise ValueError("only plain KV states are written as segments")
     arrays = entry.arrays
@@ -175,7 +178,9 @@ def write(
         arrays = prompt_segments.slice_views(arrays, start, len(entry.tokens))
     digest = hashlib.blake2b(digest_size=32)
     for _, _, view in arrays:
-        digest.update(view)
+        for piece in _pieces(view):
+            pause()
+            digest.update(piece)
     header = json.dumps(
         {
             "model": model,
@@ -197,10 +202,11 @@ def write(
             f.write(_PREAMBLE.pack(MAGIC, FORMAT_VERSION, len(header), header_digest))
             f.write(header)
             for _, _, view in arrays:
-                if drop_page_cache:
-                    _write_through(f, view)
-                else:
-                    f.write(view)
+                for piece in _pieces(view):
+                    pause()
+                    f.write(piece)
+                    if drop_page_cache:
+                        _sync_and_drop(f)
             f.flush()
             os.fsync(f.fileno())
             _drop_pages(f.fileno(), drop_page_cache)
@@ -218,17 +224,20 @@ def write(
 THROUGH_BYTES = 16 << 20
 
 
-def _write_through(f: Any, view: memoryview) -> None:
-    """Write `view` a piece at a time, each piece synced and dropped from the page cache."""
+def _pieces(view: memoryview) -> Iterator[memoryview]:
     data = memoryview(view).cast("B")
     for start in range(0, len(data), THROUGH_BYTES):
-        f.write(data[start : start + THROUGH_BYTES])
-        f.flush()
-        if hasattr(os, "fdatasync"):
-            os.fdatasync(f.fileno())
-        else:  # macOS
-            os.fsync(f.fileno())
-        _drop_pages(f.fileno(), True)
+        yield data[start : start + THROUGH_BYTES]
+
+
+def _sync_and_drop(f: Any) -> None:
+    """The piece written so far on disk and out of the page cache."""
+    f.flush()
+    if hasattr(os, "fdatasync"):
+        os.fdatasync(f.fileno())
+    else:  # macOS
+        os.fsync(f.fileno())
+    _drop_pages(f.fileno(), True)
 
 
 def _drop_pages(fd: int, drop: bool) -> None:
