@@ -145,3 +145,23 @@ def test_an_engines_prefill_is_what_the_writer_waits_for(tiny_llama_dir: Path) -
     decode_calls = [busy for rows, busy in seen[1:] if rows == 1]
     assert prompt_calls and all(prompt_calls)
     assert decode_calls and not decode_calls[-1]
+
+
+def test_a_write_someone_waits_for_does_not_pause(
+    tiny_llama_dir: Path, tmp_path: Path, prefill_running
+) -> None:
+    """Disk only, a lookup waits for its own state to land while its worker's
+    prefill is on the board: the writer goes on (else both would wait it out)."""
+    from flashserve.engine.prompt_cache import files as prompt_files
+
+    model, _ = mlx_load(str(tiny_llama_dir))
+    tier = DiskTier(tmp_path, 1 << 30, "bg-model")
+    try:
+        entry = prompt_files.prepare(PROMPT, _state(model, PROMPT))
+        tier.put(entry)
+        start = time.monotonic()
+        assert tier.wait_written(entry, 5.0)
+        assert time.monotonic() - start < background.MAX_PAUSE_S / 2
+        assert tier.stats.written == 1
+    finally:
+        tier.close()

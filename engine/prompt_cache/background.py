@@ -8,7 +8,9 @@ prompt's first token. So the writer thread runs at the lowest CPU priority
 some engine of the process prefills a prompt (generation/fairness.py tells),
 up to MAX_PAUSE_S a state: writes move into the cores' idle time (an agent's
 tool call, a client reading). A writer that falls behind drops states (the
-write queue is bounded), which the memory tier still holds.
+write queue is bounded), which the memory tier still holds. A thread that
+waits for a write (disk only: a lookup waits for its own state to land, and
+its worker holds the prefill that would pause the writer) lifts the pause.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 log = logging.getLogger(__name__)
 
@@ -29,9 +32,11 @@ POLL_S = 0.01
 
 class _Probe:
     prefilling: Callable[[], bool] = staticmethod(lambda: False)
+    waiters = 0  # threads waiting for a write (disk.wait_written, flush): no pauses
 
 
 _probe = _Probe()
+_lock = threading.Lock()
 
 
 def set_prefill_probe(prefilling: Callable[[], bool]) -> None:
@@ -50,12 +55,25 @@ def lower_priority() -> None:
 
 
 def pauser() -> Callable[[], None]:
-    """A pause for one state's write: each call waits while a prompt prefills, all
-    calls together at most MAX_PAUSE_S."""
+    """A pause for one state's write: each call waits while a prompt prefills and
+    nobody waits for the write, all calls together at most MAX_PAUSE_S."""
     deadline = time.monotonic() + MAX_PAUSE_S
 
     def pause() -> None:
-        while _probe.prefilling() and time.monotonic() < deadline:
+        while not _probe.waiters and _probe.prefilling() and time.monotonic() < deadline:
             time.sleep(POLL_S)
 
     return pause
+
+
+@contextmanager
+def waited_for() -> Iterator[None]:
+    """While open, the writer does not pause: someone waits for its writes (a
+    disk-only lookup for its own state, whose worker holds the prefill)."""
+    with _lock:
+        _probe.waiters += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _probe.waiters -= 1

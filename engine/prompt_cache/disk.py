@@ -249,18 +249,20 @@ class DiskTier:
         """Wait until `entry` is written (or dropped), not for the writes queued after
         it; False on timeout."""
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            with self._lock:
-                if not any(queued is entry for queued in self._queued):
-                    return True
-            time.sleep(0.005)
+        with background.waited_for():
+            while time.monotonic() < deadline:
+                with self._lock:
+                    if not any(queued is entry for queued in self._queued):
+                        return True
+                time.sleep(0.005)
         return False
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until every queued entry is written; False on timeout."""
         deadline = time.monotonic() + timeout
-        while self._jobs.unfinished_tasks and time.monotonic() < deadline:
-            time.sleep(0.01)
+        with background.waited_for():
+            while self._jobs.unfinished_tasks and time.monotonic() < deadline:
+                time.sleep(0.01)
         return not self._jobs.unfinished_tasks
 
     def close(self, timeout: float = 30.0) -> None:
