@@ -165,3 +165,24 @@ def test_a_write_someone_waits_for_does_not_pause(
         assert tier.stats.written == 1
     finally:
         tier.close()
+
+
+def test_a_tier_that_must_not_yield_writes_at_once(
+    tiny_llama_dir: Path, tmp_path: Path, prefill_running
+) -> None:
+    """Under a memory plan a queued state holds its bytes until written: that tier
+    keeps its priority and writes while prompts prefill."""
+    from flashserve.engine.prompt_cache.cache import PromptCache
+
+    model, _ = mlx_load(str(tiny_llama_dir))
+    tier = DiskTier(tmp_path, 1 << 30, "bg-model", yield_to_prefills=False)
+    cache = PromptCache(1 << 30, "bg-model", disk=tier)
+    try:
+        cache.store(PROMPT, _state(model, PROMPT))
+        assert _written(tier, 2.0) == 1
+        if sys.platform.startswith("linux"):
+            assert os.getpriority(os.PRIO_PROCESS, tier._writer.native_id) == os.getpriority(
+                os.PRIO_PROCESS, threading.get_native_id()
+            )
+    finally:
+        tier.close()

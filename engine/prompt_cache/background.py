@@ -11,6 +11,11 @@ tool call, a client reading). A writer that falls behind drops states (the
 write queue is bounded), which the memory tier still holds. A thread that
 waits for a write (disk only: a lookup waits for its own state to land, and
 its worker holds the prefill that would pause the writer) lifts the pause.
+
+Not under a memory plan (streaming/memplan.py, denseplan.py): there a queued
+state holds its bytes until written, and a writer held back kept a 1.2B
+model's state in memory through its next decode (the cap bench's 0.85x cap:
+OOM-killed); it writes at once, as before.
 """
 
 from __future__ import annotations

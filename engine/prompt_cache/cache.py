@@ -242,6 +242,7 @@ def prompt_cache_for(config: EngineConfig, loaded: LoadedModel) -> PromptCache |
                 fingerprint,
                 config.prompt_cache_write_bytes_per_hour,
                 drop_page_cache=config.prompt_cache_disk_only,
+                yield_to_prefills=getattr(loaded.streamer, "memory_plan", None) is None,
             )
         except OSError as exc:
             log.warning("prompt cache stays in memory: %s is not usable (%s)", directory, exc)

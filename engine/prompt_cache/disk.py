@@ -111,11 +111,15 @@ class DiskTier:
         model: str,
         write_bytes_per_hour: int = 0,
         drop_page_cache: bool = False,
+        yield_to_prefills: bool = True,
     ) -> None:
         self.directory = Path(directory).expanduser()
         # Under a memory plan with no memory tier, the page cache of what is written
         # and read back would be charged to the limit: dropped once done with.
         self.drop_page_cache = drop_page_cache
+        # Lowest priority, pauses while prompts prefill (background.py); under a
+        # memory plan not: a queued state holds its bytes until written.
+        self.yield_to_prefills = yield_to_prefills
         self.max_bytes = int(max_bytes)
         self.model = model
         self.stats = DiskStats()
@@ -288,7 +292,8 @@ class DiskTier:
     # -- the writer thread ----------------------------------------------------------
 
     def _write_loop(self) -> None:
-        background.lower_priority()
+        if self.yield_to_prefills:
+            background.lower_priority()
         while (entry := self._jobs.get()) is not None:
             try:
                 self._write(entry)
@@ -334,7 +339,7 @@ class DiskTier:
                 start,
                 parent,
                 self.drop_page_cache,
-                background.pauser(),
+                background.pauser() if self.yield_to_prefills else lambda: None,
             )
         except OSError as exc:
             log.warning("prompt cache entry not written (%s); disk tier goes on", exc)
