@@ -290,7 +290,12 @@ def test_metrics_parse(secured: Server) -> None:
         json=chat_body(max_tokens=12, logit_bias=NO_EOS, stream=True),
     ) as response:
         assert list(sse_data(response))[-1] == "[DONE]"
-    assert http.post("/v1/completions", json={"prompt": "a b", "max_tokens": 3}).status_code == 200
+    assert (
+        http.post(
+            "/v1/completions", json={"prompt": "a b", "max_tokens": 3, "logit_bias": NO_EOS}
+        ).status_code
+        == 200
+    )
     assert secured.http().get("/v1/models").status_code == 401
     after = scrape(secured, headers=auth())
 
