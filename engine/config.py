@@ -68,6 +68,10 @@ class EngineConfig:
     # stores it at that precision.
     kv_bits: int | None = None
     kv_group_size: int = 64
+    # The bits a dense memory plan (residency auto, streaming/denseplan.py) may
+    # keep the KV cache at, with kv_bits unset, when the model's layers do not
+    # all fit beside a float cache (None: never; the plan writes kv_bits).
+    plan_kv_bits: int | None = 8
     # Prompt cache: memory tier bytes, 0 turns the whole cache off; SSD tier
     # bytes, 0 keeps it in memory only. The server's settings turn both on.
     prompt_cache_bytes: int = 0

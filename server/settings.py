@@ -149,6 +149,12 @@ class Settings(BaseSettings):
     kv_group_size: int = Field(
         64, description="kv_bits: values per quantization group along a head: 32, 64 or 128"
     )
+    plan_kv_bits: int | None = Field(
+        8,
+        description="residency auto, kv_bits unset: the bits the memory plan may keep the KV "
+        "cache at when the model's layers do not all fit beside a float cache ('none': "
+        "never; greedy output is then the float cache's)",
+    )
     data_dir: str | None = Field(
         None,
         description="stored responses (/v1/responses store=true); default "
@@ -304,21 +310,22 @@ class Settings(BaseSettings):
                 raise ValueError(f"not JSON: {exc}") from None
         return value
 
-    @field_validator("kv_bits", mode="before")
+    @field_validator("kv_bits", "plan_kv_bits", mode="before")
     @classmethod
     def _kv_bits(cls, value: Any) -> Any:
         if isinstance(value, str) and value.strip().lower() in ("", "none", "off", "float"):
             return None
         return value
 
-    @field_validator("kv_bits", "kv_group_size")
+    @field_validator("kv_bits", "plan_kv_bits", "kv_group_size")
     @classmethod
     def _kv_quantization(cls, value: int | None, info: ValidationInfo) -> int | None:
         from flashserve.engine.kv import BITS, GROUP_SIZES  # no MLX: the BLAS is not chosen yet
 
-        allowed = BITS if info.field_name == "kv_bits" else GROUP_SIZES
+        bits = info.field_name != "kv_group_size"
+        allowed = BITS if bits else GROUP_SIZES
         if value is not None and value not in allowed:
-            unset = " or unset (a float cache)" if info.field_name == "kv_bits" else ""
+            unset = " or unset (a float cache)" if bits else ""
             raise ValueError(f"must be one of {', '.join(map(str, allowed))}{unset}")
         return value
 
@@ -395,6 +402,8 @@ class Settings(BaseSettings):
         values = {name: getattr(self, name) for name in names if hasattr(self, name)}
         if self.residency == "all" and (self.resident_layers is not None or self.memory_budget):
             values["residency"] = "fixed"
+        if self.hostfile:  # a model split across machines keeps a float KV cache
+            values["plan_kv_bits"] = None
         return EngineConfig(**values)
 
 

@@ -192,6 +192,9 @@ def test_a_dense_model_larger_than_its_cgroup_serves_within_a_plan_that_fits(
             str(tmp_path / "prompt-cache"),
             "--stream-keepalive",
             "0",
+            # A float cache: the 8-bit one the plan would take is tests/test_dense_plan_kv.py's.
+            "--plan-kv-bits",
+            "none",
         )
         assert server.process is not None
         sampler = threading.Thread(

@@ -224,6 +224,21 @@ def test_server_in_a_cgroup_plans_within_its_limit(tmp_path_factory, tmp_path):
         _remove_group(group)
 
 
+@contextlib.contextmanager
+def served_in_group(limit: int, model: Path, workdir: Path, *args: str):
+    """(server, group): `flashserve serve` in a fresh group of `limit` bytes, stopped
+    and the group removed afterwards."""
+    group = _make_group(limit)
+    server = None
+    try:
+        server = _start_in_group(group, model, workdir, *args)
+        yield server, group
+    finally:
+        if server is not None:
+            stop_server(server)
+        _remove_group(group)
+
+
 def _remove_group(group: Path) -> None:
     for _ in range(50):  # the group empties once the process is reaped
         try:

@@ -39,6 +39,7 @@ PER_MODEL = frozenset(
         "speculative_draft_model",
         "kv_bits",
         "kv_group_size",
+        "plan_kv_bits",
         "prompt_cache_bytes",
         "prompt_cache_disk_bytes",
         "prompt_cache_dir",

@@ -85,6 +85,9 @@ class DenseShape:
     # (context tokens, prefill chunk) -> the KV one sequence holds (kv/price.py: a
     # sliding window keeps at most its window); None: context x kv_bytes_per_token
     kv_bytes: Callable[[int, int], int] | None = None
+    kv_bits: int | None = None  # the KV precision these prices are for (None: float)
+    # bits -> this shape with its KV priced at those bits (None: no other precision)
+    requantize: Callable[[int], DenseShape] | None = None
 
     def kv(self, tokens: int, chunk: int) -> int:
         if self.kv_bytes is not None:
@@ -102,6 +105,8 @@ class DenseSettings:
     keep_float_copies: bool  # a layer's float copies kept for all its chunks
     chunk: int  # prefill tokens per chunk
     context: int  # planned tokens of KV
+    kv_bits: int | None = None  # the KV cache's precision (None: float)
+    plan_kv_bits: int | None = None  # what the plan may quantize a float cache to
 
 
 @dataclass
@@ -154,6 +159,28 @@ def plan_dense(
     MIN_CONTEXT context fits."""
     s = DenseSettings(**vars(settings))
     s.context = max(MIN_CONTEXT, min(s.context, shape.context_length))
+    shapes = {shape.kv_bits: shape}
+
+    def priced() -> DenseShape:  # the shape at the KV precision planned now
+        if s.kv_bits not in shapes and shape.requantize is not None:
+            shapes[s.kv_bits] = shape.requantize(s.kv_bits)
+        return shapes.get(s.kv_bits, shape)
+
+    def quantize_kv(s: DenseSettings, _: bool) -> str:
+        bits = s.plan_kv_bits
+        if s.kv_bits is not None or not bits or shape.requantize is None:
+            return ""
+        before = priced().kv(s.context, s.chunk)
+        s.kv_bits = bits
+        after = priced().kv(s.context, s.chunk)
+        if after >= before:  # no layer's cache would shrink (sliding windows only)
+            s.kv_bits = None
+            return ""
+        return (
+            f"the KV cache at {bits} bits ({fmt_bytes(before)} -> {fmt_bytes(after)} for "
+            f"{s.context} tokens; greedy output is kv_bits {bits}'s, not a float cache's)"
+        )
+
     reasons: list[str] = []
     floor = shed_floor_bytes(limit, shed_floor)
     headroom = floor // 2
@@ -169,7 +196,7 @@ def plan_dense(
     n = len(shape.layer_bytes)
 
     def reserves(streams: bool) -> _Reserves:
-        return _reserves(shape, s, free=free, runtime=runtime, streams=streams)
+        return _reserves(priced(), s, free=free, runtime=runtime, streams=streams)
 
     def fits(count: int) -> bool:
         r = reserves(count < n)
@@ -185,6 +212,7 @@ def plan_dense(
 
     steps = [
         ("the prompt cache's memory tier", _drop_memory_tier),
+        ("the KV cache's precision", quantize_kv),
         ("prefetch depth", _lower_depth),
         ("float copies kept for a layer's chunks", _drop_float_copies),
         ("the prefill chunk", _halve_chunk),
@@ -196,7 +224,7 @@ def plan_dense(
                 reasons.append(f"does not fit with every layer streamed: gave up {what}: {change}")
                 break
         else:
-            fitted = _fit_context(s, shape, fits)
+            fitted = _fit_context(s, priced(), fits)
             if fitted is None:
                 r = reserves(True)
                 raise ModelLoadError(
@@ -221,14 +249,17 @@ def plan_dense(
             "token; the disk tier keeps the prompt states)"
         )
         count = most()
+    if count < n and resident_layers is None and (change := quantize_kv(s, disk_tier)):
+        reasons.append(f"layers do not all fit: {change}")
+        count = most()
     r = reserves(count < n)
     layers = sum(shape.layer_bytes[:count])
     spare = available - r.fixed() - r.buffers - layers
-    context = _widen_context(s, shape, fits, count)
+    context = _widen_context(s, priced(), fits, count)
     r = reserves(count < n)
     # Past the model's context, what is left is KV for more sequences at once.
     left = available - r.fixed() - r.buffers - layers
-    budget = context + max(0, left) // max(shape.kv_bytes_per_token, 1)
+    budget = context + max(0, left) // max(priced().kv_bytes_per_token, 1)
     reasons.append(
         f"{count}/{n} layers resident ({fmt_bytes(layers)}); the memory-bound context is "
         f"{context} tokens (the model's {shape.context_length}), the batch's KV "
@@ -260,6 +291,7 @@ def plan_dense(
         kv_budget_tokens=budget,
         prefill_step_size=s.chunk,
         prefetch_depth=s.prefetch_depth,
+        kv_bits=s.kv_bits,
     )
     return plan, s
 
@@ -356,6 +388,8 @@ def apply_dense_plan(config: EngineConfig, shape: DenseShape) -> MemoryPlan:
         keep_float_copies=config.prefill_keep_float_copies,
         chunk=max(1, int(config.prefill_step_size)),
         context=context,
+        kv_bits=config.kv_bits,
+        plan_kv_bits=config.plan_kv_bits,
     )
     plan, kept = plan_dense(
         shape,
@@ -379,6 +413,7 @@ def apply_dense_plan(config: EngineConfig, shape: DenseShape) -> MemoryPlan:
         # Prompt states still go to the disk tier, where there is one.
         config.prompt_cache_disk_only = disk_tier
     config.prompt_cache_bytes = kept.prompt_cache_bytes
+    config.kv_bits = kept.kv_bits  # before the model hands out its caches (loader.py)
     # The whole prompt's hidden states in one group: one read of each streamed
     # layer per prompt (generation/prefill.py).
     config.prefill_group_bytes = max(

@@ -11,7 +11,11 @@ code):
 * first to prefetch depth, up to the configured depth, where the plan gave
   some up (a layer's read in flight while another computes);
 * then to streamed layers: one that has just run keeps its weights (no read
-  of its own: LayerStreamer `lend_room`), until the loan is full.
+  of its own: LayerStreamer `lend_room`), until the loan is full;
+* and where the loan and the streaming buffers together hold every streamed
+  layer, the buffers too: each last layer stays where it was read, no layer
+  streams, and no spare buffer is kept. With as many layers streamed as
+  buffers, streaming held their bytes anyway and read them on every token.
 
 The loan is called back before the room is needed: before a request is
 admitted (its prefill's working memory, and its prompt's and answer's KV,
@@ -46,6 +50,7 @@ class Lending:
     max_depth: int  # the configured one
     keep_free: int = 0  # available memory the loan never takes: the plan's kept free
     runtime_bytes: int = 0  # of `lendable`: lent only as far as really free, never to a prefill
+    buffer_bytes: int = 0  # the plan's streaming buffers: lent when no layer need stream
 
     @classmethod
     def for_streamer(cls, streamer: Any, kv_bytes_per_token: int, depth: int) -> Lending | None:
@@ -66,6 +71,7 @@ class Lending:
             planned_depth=int(plan.prefetch_depth or 0),
             max_depth=max(int(depth), int(plan.prefetch_depth or 0)),
             keep_free=plan.file_reserve_bytes,
+            buffer_bytes=plan.stream_buffer_bytes,
         )
 
     def lent_bytes(self) -> int:
@@ -99,12 +105,16 @@ class Lending:
         streamer = self.streamer
         largest = self._largest()
         depth = self.planned_depth
-        while depth < self.max_depth and room >= largest * (depth - self.planned_depth + 1):
-            depth += 1
-        if not grow:
-            depth = self.planned_depth
-        room -= (depth - self.planned_depth) * largest
         lent = sum(streamer.layer_bytes(i) for i in streamer.lent)
+        streamed = sum(streamer.layer_bytes(i) for i in streamer.streamed_layers)
+        if grow and self.buffer_bytes and lent + streamed <= room + self.buffer_bytes:
+            room += self.buffer_bytes  # every layer on loan, the buffers' bytes with them
+        else:
+            while depth < self.max_depth and room >= largest * (depth - self.planned_depth + 1):
+                depth += 1
+            if not grow:
+                depth = self.planned_depth
+            room -= (depth - self.planned_depth) * largest
         back = 0
         while lent > room and back < len(streamer.lent):
             back += 1

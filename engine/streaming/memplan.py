@@ -124,6 +124,7 @@ class MemoryPlan:
     kv_budget_tokens: int | None = None  # KV tokens of the whole batch (>= the context)
     prefill_step_size: int | None = None
     prefetch_depth: int | None = None
+    kv_bits: int | None = None  # the KV cache's precision (None: float)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -137,7 +138,7 @@ class MemoryPlan:
                 f"{fmt_bytes(self.runtime_reserve_bytes)} (MLX pool "
                 f"{fmt_bytes(self.mlx_cache_limit_bytes)}), prefill "
                 f"{fmt_bytes(self.prefill_reserve_bytes)}, KV {fmt_bytes(self.kv_reserve_bytes)} "
-                f"({self.context_tokens} tokens), prompt cache "
+                f"({self.context_tokens} tokens, {kv_precision(self.kv_bits)}), prompt cache "
                 f"{fmt_bytes(self.prompt_cache_bytes)}, {self.resident_layers}/{self.num_layers} "
                 f"layers resident {fmt_bytes(self.resident_layer_bytes)}, stream buffers "
                 f"{fmt_bytes(self.stream_buffer_bytes)}"
@@ -408,6 +409,10 @@ def apply_memory_plan(
     config.prompt_cache_bytes = plan.prompt_cache_bytes
     config.prefill_group_bytes = group
     return enforce(plan)
+
+
+def kv_precision(bits: int | None) -> str:
+    return "float" if bits is None else f"{bits}-bit"
 
 
 def enforce(plan: MemoryPlan) -> MemoryPlan:

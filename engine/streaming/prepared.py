@@ -21,6 +21,7 @@ from mlx.utils import tree_flatten
 from flashserve.engine.compute import prompt_matmul, qmm
 from flashserve.engine.config import EngineConfig
 from flashserve.engine.experts.install import offload_from_config
+from flashserve.engine.kv.cache import head_dims
 from flashserve.engine.kv.price import kv_bytes_per_token, kv_price
 from flashserve.engine.streaming.denseplan import DenseShape, apply_dense_plan, record_in
 from flashserve.engine.streaming.memplan import apply_memory_plan, is_auto
@@ -164,10 +165,15 @@ def activation_bytes(config: dict, engine: EngineConfig) -> int:
     return activations + logits
 
 
-def dense_activations(config: dict, engine: EngineConfig) -> Callable[[int, int], int]:
+def dense_activations(
+    config: dict, engine: EngineConfig, kv_bits: int | None = None
+) -> Callable[[int, int], int]:
     """(chunk tokens, context tokens) -> what a prompt chunk holds at once in a layer
     (its hidden states, q/k/v, the MLP's three rows, and its attention scores
-    against the whole context, with the softmax's copy), and a full batch's logits."""
+    against the whole context, with the softmax's copy), and a full batch's logits.
+    With `kv_bits`, also what a quantized cache adds: the float copy a chunk's
+    attention makes of the layer's keys and values, with its temporary, per
+    context token (kv/cache.py `_dequantize`)."""
     text = config.get("text_config") or {}
 
     def get(key: str, default: int) -> int:
@@ -182,9 +188,11 @@ def dense_activations(config: dict, engine: EngineConfig) -> Callable[[int, int]
     size = compute_dtype().size
     per_token = 6 * hidden + (heads + 2 * kv_heads) * head_dim + 3 * inter
     logits = engine.max_batch * vocab * 4 * 4
+    dequantized = 0 if kv_bits is None else 2 * 2 * kv_heads * head_dim * size
 
     def activations(chunk: int, context: int) -> int:
-        return chunk * per_token * size + 2 * heads * chunk * context * size + logits
+        scores = 2 * heads * chunk * context * size
+        return chunk * per_token * size + scores + context * dequantized + logits
 
     return activations
 
@@ -210,20 +218,30 @@ def _dense_shape(
     config: EngineConfig,
     copies: tuple[int, int],
     layer_bytes: list[int],
+    kv_bits: int | None,
 ) -> DenseShape:
-    """The dense plan's view of a model: `copies` from _float_copies."""
+    """The dense plan's view of a model, its KV at `kv_bits`: `copies` from
+    _float_copies."""
     text = model_config.get("text_config") or {}
     hidden = int(model_config.get("hidden_size") or text.get("hidden_size") or 4096)
-    price = kv_price(model, model_config, config.kv_bits, config.kv_group_size)
+    price = kv_price(model, model_config, kv_bits, config.kv_group_size)
+    # The plan may only quantize where kv_bits would be taken (kv/cache.py).
+    fits = all(dim % config.kv_group_size == 0 for dim in head_dims(model))
     return DenseShape(
         layer_bytes=layer_bytes,
         kv_bytes_per_token=price.unbounded + sum(per for per, _ in price.bounded),
         kv_bytes=price.bytes,
         held_bytes_per_token=2 * hidden * compute_dtype().size,  # generation/prefill.py
         context_length=context_length_of(model_config),
-        activations=dense_activations(model_config, config),
+        activations=dense_activations(model_config, config, kv_bits),
         float_copy_bytes=copies[0],
         float_slice_bytes=copies[1],
+        kv_bits=kv_bits,
+        requantize=(
+            (lambda bits: _dense_shape(model, model_config, config, copies, layer_bytes, bits))
+            if fits
+            else None
+        ),
     )
 
 
@@ -290,8 +308,21 @@ def load_prepared(path: Path, config: EngineConfig) -> LoadedModel:
         streamer.detach_experts()
     context_length = context_length_of(model_config)
     layer_bytes = [streamer.layer_bytes(i) for i in range(len(infos))]
-    # Priced for the context the plans reserve: a sliding window holds less per token
-    # the longer the context.
+    if dense_plan:
+        # The dense memory plan writes its numbers into `config` (the worker's too);
+        # streamed layers are read around the page cache it leaves no room for.
+        shape = _dense_shape(model, model_config, config, copies, layer_bytes, config.kv_bits)
+        chunk, keep = int(config.prefill_step_size), bool(config.prefill_keep_float_copies)
+        streamer.memory_plan = apply_dense_plan(config, shape)
+        if config.kv_bits != shape.kv_bits and shape.requantize is not None:
+            shape = shape.requantize(config.kv_bits)  # the plan took a quantized cache
+        # What a prefill may take back while the loan leaves room (streaming/lending.py).
+        streamer.dense_shape, streamer.max_prefill = shape, (chunk, keep)
+        streamer.planned_prefill = (config.prefill_step_size, config.prefill_keep_float_copies)
+        streamer.prefetch_depth = int(config.prefetch_depth)
+        streamer.direct_reads = mx.default_device() == mx.cpu
+    # At the KV precision the dense plan chose; priced for the context the plans
+    # reserve: a sliding window holds less per token the longer the context.
     kv_per_token = kv_bytes_per_token(
         model,
         model_config,
@@ -300,17 +331,6 @@ def load_prepared(path: Path, config: EngineConfig) -> LoadedModel:
         tokens=MODES.get(config.residency_mode) or context_length,
         chunk=config.prefill_step_size,
     )
-    if dense_plan:
-        # The dense memory plan writes its numbers into `config` (the worker's too);
-        # streamed layers are read around the page cache it leaves no room for.
-        shape = _dense_shape(model, model_config, config, copies, layer_bytes)
-        chunk, keep = int(config.prefill_step_size), bool(config.prefill_keep_float_copies)
-        streamer.memory_plan = apply_dense_plan(config, shape)
-        # What a prefill may take back while the loan leaves room (streaming/lending.py).
-        streamer.dense_shape, streamer.max_prefill = shape, (chunk, keep)
-        streamer.planned_prefill = (config.prefill_step_size, config.prefill_keep_float_copies)
-        streamer.prefetch_depth = int(config.prefetch_depth)
-        streamer.direct_reads = mx.default_device() == mx.cpu
     if is_auto(config.expert_cache):
         # The memory plan writes its numbers into `config` (the worker's too).
         streamer.memory_plan = apply_memory_plan(

@@ -463,6 +463,8 @@ class LayerStreamer:
         self.lent.append(info.index)
         self.lend_room -= nbytes
         self._reorder()
+        if not self._streamed:  # nothing streams now: no spare buffer is needed
+            self.drop_prefetched()
         return True
 
     def give_back(self, count: int) -> None:
