@@ -94,8 +94,8 @@ def engine_tokens(config: EngineConfig, prompts: list[str], tokens: int) -> tupl
     called: list = []
     for_model = decode_step.for_model
 
-    def spy(model, *, compile: bool):
-        called.append(for_model(model, compile=compile))
+    def spy(model, *, compile: bool, streamer=None):
+        called.append(for_model(model, compile=compile, streamer=streamer))
         return called[-1]
 
     decode_step.for_model = spy

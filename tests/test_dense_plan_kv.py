@@ -14,10 +14,12 @@ import mlx.core as mx
 from mlx_lm.utils import load as mlx_lm_load
 
 from flashserve.engine.config import EngineConfig
+from flashserve.engine.generation import decode_step
 from flashserve.engine.loader import load
 from flashserve.engine.streaming.denseplan import DenseShape, plan_dense
 from flashserve.engine.streaming.lending import Lending
 from tests.streaming_fixtures import big_llama, prepared_model, source_model
+from tests.test_decode_step import decode
 from tests.test_dense_memory_plan import CAP, MB, _planned, _settings, _shape
 from tests.test_memory_limits import served_in_group
 from tests.test_streaming import PROMPT, greedy
@@ -178,3 +180,35 @@ def test_a_server_in_a_cgroup_takes_an_8_bit_cache_and_answers_as_kv_bits_8(
         assert gaps[8] < 1e-3 < gaps[None], gaps
         assert server.process is not None and server.process.poll() is None
         assert "oom_kill 0" in (group / "memory.oom_control").read_text()
+
+
+def test_with_every_layer_on_loan_decode_steps_compile_until_one_streams(tmp_path_factory):
+    """Under a streamer, decode steps compile while no layer streams (the loan holds
+    them all), to the bit what uncompiled steps give; a layer given back drops the
+    traces (they hold the weights) and steps run uncompiled again, the same."""
+    prepared = prepared_model(tmp_path_factory, "llama")
+    loaded = load(EngineConfig(model=str(prepared), resident_layers=0, prefetch_depth=1))
+    streamer = loaded.streamer
+    size = max(streamer.layer_bytes(i) for i in range(len(streamer.layers)))
+    lending = Lending(streamer, 100 * size, 0, kv_bytes_per_token=0, planned_depth=1, max_depth=1)
+    compiled = decode_step.CompiledDecode(loaded.model, streamer)
+    prompts, lengths = [[5, 9, 13], [7, 3, 11, 2, 8, 4], [9, 2, 5]], [40, 12, 20]
+    streaming = decode(compiled, prompts, lengths, join_at=4)
+    assert compiled.steps == 0  # layers stream: never compiled
+    lending.settle(50 * size, grow=True)
+    greedy(loaded.model, PROMPT, tokens=2)  # each layer stays once it has run
+    assert streamer.streamed_layers == []
+    plain = decode(loaded.model, prompts, lengths, join_at=4)
+    on_loan = decode(compiled, prompts, lengths, join_at=4)
+    assert compiled.steps >= lengths[0] - 2 and compiled._fns
+    for uid, (tokens, logprobs) in plain.items():
+        assert on_loan[uid][0] == tokens == streaming[uid][0], uid
+        for got, want in zip(on_loan[uid][1], logprobs, strict=True):
+            assert mx.array_equal(got, want).item(), uid
+    lending.settle(size, grow=False)  # a prefill comes: all but one layer go back
+    assert len(streamer.streamed_layers) == len(streamer.layers) - 1
+    assert compiled._fns == {}  # the traces and the weights they held are gone
+    steps = compiled.steps
+    again = decode(compiled, prompts, lengths, join_at=4)
+    assert compiled.steps == steps
+    assert {uid: t for uid, (t, _) in again.items()} == {u: t for u, (t, _) in plain.items()}

@@ -27,9 +27,12 @@ as the float kernel does), so these steps too are the uncompiled ones to the
 bit.
 
 A step is compiled only when its result cannot depend on anything else
-that changes: every weight resident (no layer streamer, no expert cache,
-no split across ranks), one new token per sequence, BatchKVCache layers
-(or kv_bits' QuantizedBatchKVCache).
+that changes: every weight resident (no expert cache, no split across
+ranks; under a layer streamer, while no layer streams: the memory plan's
+loan can hold every layer), one new token per sequence, BatchKVCache layers
+(or kv_bits' QuantizedBatchKVCache). A trace holds the weights it was
+traced with, so the traces go whenever the streamer's layers change (a
+layer lent, given back or shed): their memory goes back with the layer.
 Other calls go to the model as they are. A trace is kept per input shape
 (batch size, buffer capacity: it grows by mlx-lm's 256 keys) and per state
 of the switches that decide which ops a step is built from; the least
@@ -39,6 +42,7 @@ recently used go past MAX_TRACES.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -146,11 +150,15 @@ MAX_TRACES = 16
 class CompiledDecode:
     """The model as BatchGenerator calls it: decode steps compiled, anything else as it is."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, streamer: Any = None) -> None:
         self.model = model
         self._fns: dict[tuple, Callable[..., list[mx.array]]] = {}  # in order of use
         self.failed = False  # a trace failed: this model decodes uncompiled from then on
         self.steps = 0  # compiled steps run (tests check the path was taken)
+        self.streamer = streamer  # a LayerStreamer: compiled only while no layer streams
+        if streamer is not None:  # the latest batch's; weak: a dropped batch frees its traces
+            me = weakref.ref(self)
+            streamer.residency_listeners["compiled decode"] = lambda: _forget(me())
 
     def __getattr__(self, name: str) -> Any:
         # Only reached for what this object lacks: layers, make_cache, args...
@@ -159,8 +167,11 @@ class CompiledDecode:
     def __call__(self, inputs: mx.array, cache: list[Any] | None = None, **kwargs: Any) -> mx.array:
         # Only flashserve's attention leaves the buffer's unused tail out; MLX's
         # would attend over it, masked, and round differently.
-        if kwargs or self.failed or not step_ops.active() or not _eligible(inputs, cache):
+        streams = self.streamer is not None and self.streamer.streamed_layers
+        if kwargs or streams or self.failed or not step_ops.active():
             return self.model(inputs, cache=cache, **kwargs)
+        if not _eligible(inputs, cache):
+            return self.model(inputs, cache=cache)
         assert cache is not None
         try:
             return self._compiled(inputs, cache)
@@ -228,6 +239,11 @@ class CompiledDecode:
         return out
 
 
+def _forget(compiled: CompiledDecode | None) -> None:
+    if compiled is not None:
+        compiled._fns.clear()
+
+
 def _eligible(inputs: mx.array, cache: list[Any] | None) -> bool:
     """One new token per sequence over plain (or kv_bits') BatchKVCache layers at one position."""
     if not cache or inputs.ndim != 2 or inputs.shape[1] != 1:
@@ -262,12 +278,15 @@ def _make_room(c: Any, batch: int) -> None:
     c.trim(1)
 
 
-def for_model(model: nn.Module, *, compile: bool) -> nn.Module | CompiledDecode:
+def for_model(
+    model: nn.Module, *, compile: bool, streamer: Any = None
+) -> nn.Module | CompiledDecode:
     """The model BatchGenerator should call: compiled decode steps if `compile` (CPU only).
 
-    The caller says whether compiling is safe: every weight resident, nothing
-    swapped or routed in Python between steps.
+    The caller says whether compiling is safe: nothing swapped or routed in
+    Python between steps but `streamer`'s layers (compiled only while none
+    streams).
     """
     if not compile or mx.default_device() != mx.cpu:
         return model
-    return CompiledDecode(model)
+    return CompiledDecode(model, streamer)

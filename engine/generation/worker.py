@@ -208,9 +208,9 @@ class Engine:
         assert self.loaded is not None
         loaded = self.loaded
         compile_ok = self.config.compile_decode and self.mirror is None
-        compile_ok = compile_ok and loaded.streamer is None and loaded.experts is None
+        compile_ok = compile_ok and loaded.experts is None
         batch = BatchGenerator(
-            decode_step.for_model(loaded.model, compile=compile_ok),
+            decode_step.for_model(loaded.model, compile=compile_ok, streamer=loaded.streamer),
             completion_batch_size=self.config.max_batch,
             prefill_batch_size=self.config.max_batch,
             prefill_step_size=self.config.prefill_step_size,

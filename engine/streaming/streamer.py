@@ -37,7 +37,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -188,6 +188,10 @@ class LayerStreamer:
     # keeps its weights while `lend_room` bytes allow, and `give_back` streams it again.
     lend_room: int = 0
     lent: list[int] = field(default_factory=list)
+    # Called (worker thread) whenever which layers stream changes, by name: a
+    # compiled decode step holds the weights it was traced with
+    # (generation/decode_step.py).
+    residency_listeners: dict[str, Callable[[], None]] = field(default_factory=dict)
     # The dense plan's model shape and the configured (chunk, keep float copies):
     # a prefill's settings within the room it finds (streaming/lending.py)
     dense_shape: Any = None
@@ -263,6 +267,8 @@ class LayerStreamer:
             for index in list(self._pending):
                 if index not in self._streamed:
                     del self._pending[index]
+        for listener in self.residency_listeners.values():
+            listener()
 
     def _make_resident(self, info: LayerInfo) -> None:
         weights = self._weights(info, self._load(info, fresh=True))
