@@ -333,14 +333,21 @@ def test_layers_read_around_the_page_cache_give_the_resident_tokens(tmp_path_fac
     assert sum(_cached_pages(file) for file in files) == 0
 
 
-def test_lent_layers_keep_the_resident_tokens_and_go_back_when_called(tmp_path_factory) -> None:
-    """streaming/lending.py: with room on loan, streamed layers that run stay resident
-    (no read of their own), greedy tokens unchanged; called back, they stream again."""
+def streamed_llama(tmp_path_factory) -> tuple:
+    """(the tiny llama loaded with every layer streamed, prefetch depth 1; mlx-lm's
+    greedy tokens and last log-probabilities for PROMPT)."""
     src = source_model(tmp_path_factory, "llama")
     prepared = prepared_model(tmp_path_factory, "llama")
     model, _ = mlx_lm_load(str(src))
     ref_tokens, ref_logprobs, _ = greedy(model, PROMPT)
     loaded = load(EngineConfig(model=str(prepared), resident_layers=0, prefetch_depth=1))
+    return loaded, ref_tokens, ref_logprobs
+
+
+def test_lent_layers_keep_the_resident_tokens_and_go_back_when_called(tmp_path_factory) -> None:
+    """streaming/lending.py: with room on loan, streamed layers that run stay resident
+    (no read of their own), greedy tokens unchanged; called back, they stream again."""
+    loaded, ref_tokens, ref_logprobs = streamed_llama(tmp_path_factory)
     streamer = loaded.streamer
     size = streamer.layer_bytes(0)
     lending = Lending(

@@ -11,16 +11,15 @@ import dataclasses
 from types import SimpleNamespace
 
 import mlx.core as mx
-from mlx_lm.utils import load as mlx_lm_load
 
 from flashserve.engine.config import EngineConfig
 from flashserve.engine.generation import decode_step
 from flashserve.engine.loader import load
 from flashserve.engine.streaming.denseplan import DenseShape, plan_dense
 from flashserve.engine.streaming.lending import Lending
-from tests.streaming_fixtures import big_llama, prepared_model, source_model
+from tests.streaming_fixtures import big_llama
 from tests.test_decode_step import decode
-from tests.test_dense_memory_plan import CAP, MB, _planned, _settings, _shape
+from tests.test_dense_memory_plan import CAP, MB, _planned, _settings, _shape, streamed_llama
 from tests.test_memory_limits import served_in_group
 from tests.test_streaming import PROMPT, greedy
 
@@ -74,7 +73,8 @@ def test_a_set_precision_is_never_changed() -> None:
     """kv_bits set (4 here) is the user's: the plan prices it and keeps it."""
     shape = _quantizable()
     four = dataclasses.replace(shape, kv_bytes_per_token=FLOAT_KV // 7, kv_bits=4)
-    plan, kept = _plan(1100 * MB, shape=four, kv_bits=4)
+    plan, kept = _plan(900 * MB, shape=four, kv_bits=4)
+    assert plan.resident_layers < 24  # layers that do not all fit: the step's case
     assert plan.kv_bits == kept.kv_bits == 4
     assert not any("KV cache at" in r for r in plan.reasons)
 
@@ -109,11 +109,7 @@ def test_the_buffers_go_with_the_last_streamed_layers(tmp_path_factory) -> None:
     layer, all of them stay resident after one token, nothing is read any more and
     no spare buffer is kept; the greedy tokens are the resident model's. When the
     room shrinks the layers go back, buffers not counted."""
-    src = source_model(tmp_path_factory, "llama")
-    prepared = prepared_model(tmp_path_factory, "llama")
-    model, _ = mlx_lm_load(str(src))
-    ref_tokens, ref_logprobs, _ = greedy(model, PROMPT)
-    loaded = load(EngineConfig(model=str(prepared), resident_layers=0, prefetch_depth=1))
+    loaded, ref_tokens, ref_logprobs = streamed_llama(tmp_path_factory)
     streamer = loaded.streamer
     layers = len(streamer.layers)
     size = max(streamer.layer_bytes(i) for i in range(layers))
@@ -186,8 +182,7 @@ def test_with_every_layer_on_loan_decode_steps_compile_until_one_streams(tmp_pat
     """Under a streamer, decode steps compile while no layer streams (the loan holds
     them all), to the bit what uncompiled steps give; a layer given back drops the
     traces (they hold the weights) and steps run uncompiled again, the same."""
-    prepared = prepared_model(tmp_path_factory, "llama")
-    loaded = load(EngineConfig(model=str(prepared), resident_layers=0, prefetch_depth=1))
+    loaded, _, _ = streamed_llama(tmp_path_factory)
     streamer = loaded.streamer
     size = max(streamer.layer_bytes(i) for i in range(len(streamer.layers)))
     lending = Lending(streamer, 100 * size, 0, kv_bytes_per_token=0, planned_depth=1, max_depth=1)
