@@ -13,6 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from mlx_lm.models.cache import make_prompt_cache
 
 from flashserve.engine.compute import cores, prompt_matmul, qmm
 from flashserve.engine.compute.prompt_matmul import PromptQuantizedLinear
@@ -137,6 +138,55 @@ def test_large_weights_take_the_kernel_as_decode_does(monkeypatch, bits):
         assert not prompt_matmul.on_kernel(prompt, x)  # AVX2's kernel: the BLAS is faster
     finally:
         qmm.set_avx512(True)
+
+
+@pytest.mark.parametrize("path_", ["integer", "kernel"])
+def test_a_short_chunk_is_evaluated_once_with_the_same_numbers(tmp_path, monkeypatch, path_):
+    """A chunk of fewer than EVAL_EACH_FROM_ROWS tokens (an agent's next turn) is left
+    lazy on the integer GEMM and on the kernel: no evaluation inside its linears (each
+    waited for MLX's stream), one for the chunk, as a decode step. Its logits are those of
+    the chunk evaluated linear by linear, bit for bit; a longer chunk still evaluates
+    each linear (its attention on every core, one chunk's activations at a time)."""
+    if path_ == "integer" and not prompt_matmul.integer_available():
+        pytest.skip("the integer prompt GEMM does not run here")
+    if path_ == "kernel":
+        if qmm.select("auto") != "fast" or not qmm.extension().avx512_active():
+            pytest.skip("the kernel's AVX-512 path does not run here")
+        monkeypatch.setattr(prompt_matmul, "KERNEL_MIN_FLOAT_BYTES", 0)
+    path = make_model_dir(tmp_path / "q4", "llama", quantize_bits=4)
+    choice = "int16" if path_ == "integer" else "float"
+    model = load(EngineConfig(model=str(path), prompt_matmul=choice)).model
+    prompt = mx.array([[(37 * i) % 200 + 3 for i in range(40)]])
+    evals: list[int] = []
+    real_eval = mx.eval
+
+    def counted(*args):
+        evals.append(1)
+        return real_eval(*args)
+
+    def run() -> tuple[mx.array, list[int]]:
+        cache = make_prompt_cache(model)
+        per_chunk = []
+        start, out = 0, None
+        for n in (29, 11):
+            evals.clear()
+            with monkeypatch.context() as m:
+                m.setattr(prompt_matmul.mx, "eval", counted)
+                out = model(prompt[:, start : start + n], cache=cache)[:, -1]
+            per_chunk.append(len(evals))
+            mx.eval(out)
+            start += n
+        return out, per_chunk
+
+    assert prompt_matmul.EVAL_EACH_FROM_ROWS == prompt_matmul.MIN_THREADED_ROWS
+    lazy, lazy_evals = run()
+    monkeypatch.setattr(prompt_matmul, "EVAL_EACH_FROM_ROWS", 2)
+    each, each_evals = run()
+    layers = len(model.layers)
+    assert lazy_evals[0] >= 4 * layers and each_evals[0] == lazy_evals[0]  # 29 rows: each
+    assert lazy_evals[1] == 0  # 11 rows: not one evaluation inside the chunk
+    assert each_evals[1] >= 4 * layers
+    assert mx.array_equal(lazy, each).item()
 
 
 @pytest.mark.parametrize("choice", ["float", "int16"])

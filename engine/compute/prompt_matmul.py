@@ -71,6 +71,15 @@ DEQUANT_BITS = (2, 4, 8)  # the widths flashserve's dequantize op unpacks
 # prefix. Chunks of fewer rows are cheap on one thread.
 MIN_THREADED_ROWS = 16
 
+# Tokens per sequence from which the integer GEMM's and the kernel's outputs are
+# evaluated linear by linear (below). A shorter chunk (an agent's next turn, a
+# short prompt's tail) runs on one thread and holds little, so there each
+# evaluation only added a wait for MLX's stream per linear (~40 us: 210 a chunk
+# on the default model, a seventh of a 10-token next turn's time to first
+# token); left lazy, the chunk's graph runs in one evaluation, as a decode
+# step's does. The arithmetic is the same op for op, so the numbers are too.
+EVAL_EACH_FROM_ROWS = MIN_THREADED_ROWS
+
 
 class _Parallel:
     on = True  # prompt chunks on every core; off: one thread, as before issue 42 (bench, tests)
@@ -295,10 +304,12 @@ class PromptQuantizedLinear(nn.QuantizedLinear):
         if x.ndim < 3 or x.shape[-2] <= _decode_rows[-1]:
             return super().__call__(x)
         threads = prompt_threads() if x.shape[-2] >= MIN_THREADED_ROWS else 1
+        each = x.shape[-2] >= EVAL_EACH_FROM_ROWS
         if on_integer(self, x):
             y = _integer_output(self, x)
-            with blas.prompt_threads(threads):  # computed now: as on_kernel's, below
-                mx.eval(y)
+            if each:
+                with blas.prompt_threads(threads):  # computed now: as on_kernel's, below
+                    mx.eval(y)
             return y + self["bias"] if "bias" in self else y
         if on_kernel(self, x):
             y = super().__call__(x)
@@ -308,8 +319,9 @@ class PromptQuantizedLinear(nn.QuantizedLinear):
             # That work includes attention's matmuls when this is o_proj: on
             # every core, as under a BLAS linear (on one thread they were a
             # large share of a prefill from disk: docs/benchmarks/memory-cap.md).
-            with blas.prompt_threads(threads):
-                mx.eval(y)
+            if each:
+                with blas.prompt_threads(threads):
+                    mx.eval(y)
             return y
         weight, scales = self["weight"], self["scales"]
         biases = self.get("biases")
