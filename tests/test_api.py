@@ -287,6 +287,28 @@ def test_completions_non_streaming_and_streaming(llama_server: Server) -> None:
     assert chunks[-2].choices[0].finish_reason == "length"
 
 
+def test_a_streamed_space_comes_with_its_own_token(
+    llama_server: Server, tiny_llama_dir: Path
+) -> None:
+    """A completion made of lone-space tokens streams one chunk per token: mlx-lm's
+    detokenizer would hold each space for the next token, so none went out before the
+    end (engine/generation/choices.py: SpacesAtOnce)."""
+    space = AutoTokenizer.from_pretrained(str(tiny_llama_dir)).encode(" ", add_special_tokens=False)
+    assert len(space) == 1
+    kwargs: dict[str, Any] = {
+        "model": "tiny-llama",
+        "prompt": "The capital of France is",
+        "temperature": 0,
+        "max_tokens": 4,
+        "logit_bias": {**NO_EOS, str(space[0]): 100},
+    }
+    client = llama_server.client()
+    whole = client.completions.create(**kwargs).choices[0].text
+    chunks = list(client.completions.create(stream=True, **kwargs))
+    texts = [c.choices[0].text for c in chunks if c.choices and c.choices[0].text]
+    assert texts == [" "] * 4 and "".join(texts) == whole
+
+
 def test_completions_stop(llama_server: Server) -> None:
     client = llama_server.client()
     kwargs: dict[str, Any] = {

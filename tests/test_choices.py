@@ -187,30 +187,63 @@ def test_n_beyond_the_batch_is_refused(engine):
     assert (error.status, error.param) == (400, "n")
 
 
+def forced_texts(engine: Engine, forced_ids: list[int], continuation: bool) -> list[str]:
+    """The texts of a greedy answer made to be `forced_ids`: each TokenEvent's, then the
+    DoneEvent's."""
+
+    def forced(tokens, logits):
+        step = len(tokens) - len(prompt_ids(engine))
+        mask = mx.full(logits.shape, -mx.inf)
+        mask[..., forced_ids[min(step, len(forced_ids) - 1)]] = 0
+        return logits + mask
+
+    request = GenerationRequest(
+        prompt_ids(engine),
+        len(forced_ids),
+        SamplingParams(temperature=0),
+        logits_processors=[forced],
+        continuation=continuation,
+        use_prompt_cache=False,
+    )
+    events = run(engine, request)
+    return [e.text for e in events if isinstance(e, (TokenEvent, DoneEvent))]
+
+
 def test_a_continuation_keeps_the_first_space(engine):
     """ "The capital of France is" + " Paris": the space is the completion's text. A
     chat answer's first space (SentencePiece's "▁Hello" after a header) is dropped."""
     tokenizer = engine.loaded.tokenizer
     spaced = tokenizer.encode(" fox jumps", add_special_tokens=False)
     assert tokenizer.decode(spaced[:1]).startswith(" ")
+    assert "".join(forced_texts(engine, spaced, continuation=True)) == " fox jumps"
+    assert "".join(forced_texts(engine, spaced, continuation=False)) == "fox jumps"
 
-    def forced(tokens, logits):
-        step = len(tokens) - len(prompt_ids(engine))
-        mask = mx.full(logits.shape, -mx.inf)
-        mask[..., spaced[min(step, len(spaced) - 1)]] = 0
-        return logits + mask
 
-    def text(continuation: bool) -> str:
-        request = GenerationRequest(
-            prompt_ids(engine),
-            len(spaced),
-            SamplingParams(temperature=0),
-            logits_processors=[forced],
-            continuation=continuation,
-            use_prompt_cache=False,
-        )
-        events = run(engine, request)
-        return "".join(e.text for e in events if isinstance(e, (TokenEvent, DoneEvent)))
+def test_a_lone_space_goes_out_with_its_own_token(engine):
+    """mlx-lm's BPE detokenizer holds a token that is one space until the next one (to
+    drop an answer's first space). Once the text has begun a space goes out with its own
+    token: the text is mlx-lm's, only sooner (a completion whose first token is a space
+    no longer waits a step for its first chunk). A chat answer's first space is still
+    held and dropped."""
+    tokenizer = engine.loaded.tokenizer
+    space = tokenizer.encode(" ", add_special_tokens=False)
+    assert len(space) == 1 and tokenizer.decode(space) == " "
+    words = tokenizer.encode("fox", add_special_tokens=False)
+    forced_ids = [space[0], *words, space[0], space[0], *words]
 
-    assert text(continuation=True) == " fox jumps"
-    assert text(continuation=False) == "fox jumps"
+    def mlx_lm_text(continuation: bool) -> str:
+        plain = tokenizer.detokenizer  # mlx-lm's own, with the same seed for a continuation
+        if continuation:
+            plain.text, plain.offset = "\u2060", 1
+        for token in forced_ids:
+            plain.add_token(token)
+        plain.finalize()
+        return plain.text[plain.offset :]
+
+    n = len(words)
+    texts = forced_texts(engine, forced_ids, continuation=True)
+    assert texts[0] == " " and texts[n + 1 : n + 3] == [" ", " "]
+    assert "".join(texts) == mlx_lm_text(continuation=True) == " fox  fox"
+    texts = forced_texts(engine, forced_ids, continuation=False)
+    assert texts[0] == "" and texts[n + 1 : n + 3] == [" ", " "]
+    assert "".join(texts) == mlx_lm_text(continuation=False) == "fox  fox"

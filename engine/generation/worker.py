@@ -26,7 +26,7 @@ from flashserve.engine.compute import blas, heap
 from flashserve.engine.config import EngineConfig
 from flashserve.engine.distributed.mirror import Mirror, load_model
 from flashserve.engine.generation import decode_step, fairness, prompt_states
-from flashserve.engine.generation.choices import Choice, Start, keep_first_space
+from flashserve.engine.generation.choices import Choice, Start, detokenizer_for
 from flashserve.engine.generation.memory_guard import MemoryGuard, kv_tokens
 from flashserve.engine.generation.prefill import (
     LayerMajorPrefill,
@@ -451,11 +451,7 @@ class Engine:
                 uid=-1,
                 handle=start.handle,
                 index=index,
-                detokenizer=(
-                    keep_first_space(self.loaded.tokenizer.detokenizer)
-                    if request.continuation
-                    else self.loaded.tokenizer.detokenizer
-                ),
+                detokenizer=detokenizer_for(self.loaded.tokenizer, request.continuation),
                 stops=StopMatcher(request.stop),
                 processors=start.processors if index == 0 else self._processors(request, index),
                 started=start.started,
