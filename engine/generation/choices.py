@@ -135,9 +135,9 @@ class SpacesAtOnce(BPEStreamingDetokenizer):
     still be dropped (its _maybe_trim_space), and it drops spaces only while its text
     is empty. Once the text has begun the hold changes nothing in the text, only when
     the space goes out: one decode step later, and for a request's first token two
-    (its successor runs lazily, fairness.first_token_gate), ~18 ms on the default
-    model, the time to first token of every answer that starts with a space. So it
-    is held only while the text is empty."""
+    (its successor runs lazily, fairness.first_token_gate): ~18 ms on the default
+    model added to the first chunk of every completion that starts with a space. So
+    it is held only while the text is empty (a chat answer's first space)."""
 
     def add_token(self, token: int) -> None:
         super().add_token(token)
