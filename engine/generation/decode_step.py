@@ -168,10 +168,9 @@ class CompiledDecode:
         # Only flashserve's attention leaves the buffer's unused tail out; MLX's
         # would attend over it, masked, and round differently.
         streams = self.streamer is not None and self.streamer.streamed_layers
-        if kwargs or streams or self.failed or not step_ops.active():
+        plain = kwargs or streams or self.failed or not step_ops.active()
+        if plain or not _eligible(inputs, cache):
             return self.model(inputs, cache=cache, **kwargs)
-        if not _eligible(inputs, cache):
-            return self.model(inputs, cache=cache)
         assert cache is not None
         try:
             return self._compiled(inputs, cache)
