@@ -145,8 +145,9 @@ def test_a_short_chunk_is_evaluated_once_with_the_same_numbers(tmp_path, monkeyp
     """A chunk of fewer than EVAL_EACH_FROM_ROWS tokens (an agent's next turn) is left
     lazy on the integer GEMM and on the kernel: no evaluation inside its linears (each
     waited for MLX's stream), one for the chunk, as a decode step. Its logits are those of
-    the chunk evaluated linear by linear, bit for bit; a longer chunk still evaluates
-    each linear (its attention on every core, one chunk's activations at a time)."""
+    the chunk evaluated linear by linear, bit for bit, on one thread (11 rows) and on
+    every core (40 rows: its attention's BLAS then runs on one thread instead); a longer
+    chunk still evaluates each linear (one chunk's activations at a time)."""
     if path_ == "integer" and not prompt_matmul.integer_available():
         pytest.skip("the integer prompt GEMM does not run here")
     if path_ == "kernel":
@@ -156,7 +157,8 @@ def test_a_short_chunk_is_evaluated_once_with_the_same_numbers(tmp_path, monkeyp
     path = make_model_dir(tmp_path / "q4", "llama", quantize_bits=4)
     choice = "int16" if path_ == "integer" else "float"
     model = load(EngineConfig(model=str(path), prompt_matmul=choice)).model
-    prompt = mx.array([[(37 * i) % 200 + 3 for i in range(40)]])
+    chunks = (prompt_matmul.EVAL_EACH_FROM_ROWS + 5, 40, 11)
+    prompt = mx.array([[(37 * i) % 200 + 3 for i in range(sum(chunks))]])
     evals: list[int] = []
     real_eval = mx.eval
 
@@ -167,25 +169,25 @@ def test_a_short_chunk_is_evaluated_once_with_the_same_numbers(tmp_path, monkeyp
     def run() -> tuple[mx.array, list[int]]:
         cache = make_prompt_cache(model)
         per_chunk = []
-        start, out = 0, None
-        for n in (29, 11):
+        start, outs = 0, []
+        for n in chunks:
             evals.clear()
             with monkeypatch.context() as m:
                 m.setattr(prompt_matmul.mx, "eval", counted)
-                out = model(prompt[:, start : start + n], cache=cache)[:, -1]
+                outs.append(model(prompt[:, start : start + n], cache=cache)[:, -1])
             per_chunk.append(len(evals))
-            mx.eval(out)
+            mx.eval(outs[-1])
             start += n
-        return out, per_chunk
+        return mx.concatenate(outs), per_chunk
 
-    assert prompt_matmul.EVAL_EACH_FROM_ROWS == prompt_matmul.MIN_THREADED_ROWS
+    assert prompt_matmul.MIN_THREADED_ROWS <= 40 < prompt_matmul.EVAL_EACH_FROM_ROWS
     lazy, lazy_evals = run()
     monkeypatch.setattr(prompt_matmul, "EVAL_EACH_FROM_ROWS", 2)
     each, each_evals = run()
     layers = len(model.layers)
-    assert lazy_evals[0] >= 4 * layers and each_evals[0] == lazy_evals[0]  # 29 rows: each
-    assert lazy_evals[1] == 0  # 11 rows: not one evaluation inside the chunk
-    assert each_evals[1] >= 4 * layers
+    assert lazy_evals[0] >= 4 * layers and each_evals[0] == lazy_evals[0]  # long: each
+    assert lazy_evals[1:] == [0, 0]  # 40 and 11 rows: not one evaluation inside the chunk
+    assert min(each_evals[1:]) >= 4 * layers
     assert mx.array_equal(lazy, each).item()
 
 

@@ -73,12 +73,18 @@ MIN_THREADED_ROWS = 16
 
 # Tokens per sequence from which the integer GEMM's and the kernel's outputs are
 # evaluated linear by linear (below). A shorter chunk (an agent's next turn, a
-# short prompt's tail) runs on one thread and holds little, so there each
-# evaluation only added a wait for MLX's stream per linear (~40 us: 210 a chunk
-# on the default model, a seventh of a 10-token next turn's time to first
-# token); left lazy, the chunk's graph runs in one evaluation, as a decode
-# step's does. The arithmetic is the same op for op, so the numbers are too.
-EVAL_EACH_FROM_ROWS = MIN_THREADED_ROWS
+# short prompt's tail) holds little, and there each evaluation only added a wait
+# for MLX's stream per linear (~40 us: 210 a chunk on the default model, a
+# seventh of a 10-token next turn's time to first token); left lazy, the chunk's
+# graph runs in one evaluation, as a decode step's does. The GEMM and the kernel
+# keep their threads either way; attention's BLAS calls run on one (MKL gives
+# them the same numbers on any count from MIN_THREADED_ROWS). Lazy against linear
+# by linear after a 756-token prefix: the default model faster up to 64 rows
+# (46 against 60-67 ms at 16, 117 against 128-135 at 64), the 1.2B bench model
+# up to 36 (314 against 335-379 ms), level at 48, ~2% slower at 63
+# (docs/benchmarks/agent-turns.md). The arithmetic is the same op for op, so the
+# numbers are too.
+EVAL_EACH_FROM_ROWS = 64
 
 
 class _Parallel:
