@@ -320,8 +320,8 @@ def test_quick_agent_turn_section_prints_its_rows_and_bounds(tmp_path: Path) -> 
     for rows in turns.values():
         assert [r["measure"] for r in rows] == [
             "prefill tok/s",
-            "TTFT s",
-            "next-turn TTFT s",
+            "TTFT ms",
+            "next-turn TTFT ms",
             "decode tok/s",
         ]
         assert all(_number(r["flashserve"]) > 0 and r["llama-server"] == "-" for r in rows), rows
