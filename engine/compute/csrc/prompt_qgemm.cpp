@@ -197,10 +197,11 @@ __attribute__((target("avx2,f16c"))) void fill_scales(const char* base, int64_t 
                                                      flashserve_qmm::ScaleType st, int n0, int N,
                                                      int width, int groups, float* out) {
   const int64_t item = st == flashserve_qmm::ScaleType::f32 ? 4 : 2;
+  const auto row_of = [&](int c) { return base + int64_t(std::min(n0 + c, N - 1)) * stride * item; };
   int c0 = 0;
   for (; c0 + 8 <= width; c0 += 8) {
     const char* rows[8];
-    for (int j = 0; j < 8; ++j) rows[j] = base + int64_t(std::min(n0 + c0 + j, N - 1)) * stride * item;
+    for (int j = 0; j < 8; ++j) rows[j] = row_of(c0 + j);
     int g = 0;
     for (; g + 8 <= groups; g += 8) {
       __m256 r[8], t[8], u[8];
@@ -227,7 +228,7 @@ __attribute__((target("avx2,f16c"))) void fill_scales(const char* base, int64_t 
     }
   }
   for (; c0 < width; ++c0) {
-    const char* row = base + int64_t(std::min(n0 + c0, N - 1)) * stride * item;
+    const char* row = row_of(c0);
     for (int g = 0; g < groups; ++g) out[int64_t(g) * width + c0] = scale_at(row, g, st);
   }
 }
