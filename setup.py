@@ -34,7 +34,7 @@ SOURCES = [
     "engine/compute/csrc/step_sdpa.cpp",
     "engine/compute/csrc/step_sdpa_quant.cpp",
     "engine/compute/csrc/step_cache.cpp",
-    "engine/compute/csrc/prompt_softmax.cpp",
+    "engine/compute/csrc/prompt_sdpa.cpp",
     "engine/compute/csrc/prompt_dequant.cpp",
     "engine/compute/csrc/prompt_qgemm.cpp",
     "engine/compute/csrc/prompt_qgemm_avx512.cpp",

@@ -1,7 +1,7 @@
 """Prompt chunks' attention on the CPU (compute/prompt_attention.py, issue 42).
 
 It must agree with MLX's composed attention to float32 rounding for every
-mask kind, and give a prompt position the same weights whatever chunk it is
+mask kind, and give a prompt position the same numbers whatever chunk it is
 prefilled in: cold (chunks from token 0) and on top of a cached prefix (chunks
 from the prefix's end) then produce the same tokens.
 """
@@ -37,47 +37,70 @@ def test_prompt_attention_matches_mlx_for_every_mask_kind():
         assert relative_error(got, want) < TOLERANCE
 
 
-def test_a_position_gets_the_same_weights_in_any_chunk():
-    """Rows of one prompt position against 100 keys and against 233 (a chunk
-    ending later): the weights agree bit for bit, over the keys both have."""
+def test_a_position_gets_the_same_numbers_in_any_chunk():
+    """Query rows at positions 193..232 against 233 keys, and the same positions cut
+    into other chunks (ending at key 214, starting at other rows, so rows pair up
+    differently inside the op): each position's output agrees bit for bit."""
     ext = qmm.extension()
-    scores = normal((1, 2, 3, 40, 233), 5) * 4
-    for mode, masks in ((1, []), (2, [create_causal_mask(40, 193)])):
-        whole = ext.masked_softmax(scores, masks, mode)
-        # Rows 0..20 of the chunk ending at key 233 sit at positions 193..213.
-        # Cut at position 213: a chunk of 21 rows ending at key 214.
-        short_masks = [] if mode == 1 else [create_causal_mask(21, 193)]
-        short = ext.masked_softmax(scores[..., :21, :214], short_masks, mode)
-        assert mx.array_equal(whole[..., :21, :214], short).item()
-        assert (whole[..., :21, 214:] == 0).all().item()
+    q = normal((1, 6, 40, 64), 5)  # 6 query heads over 2 kv heads
+    k = normal((1, 2, 240, 64), 6)[:, :, :233]
+    v = normal((1, 2, 240, 64), 7)[:, :, :233]
+    for mode in (1, 2):
+        whole = ext.prompt_sdpa(
+            q, k, v, [] if mode == 1 else [create_causal_mask(40, 193)], mode, 0.125
+        )
+        for first, last in ((0, 21), (3, 21), (5, 6), (1, 40)):
+            rows = last - first  # positions 193 + first .. 193 + last - 1
+            keys = 193 + last
+            mask = [] if mode == 1 else [create_causal_mask(rows, keys - rows)]
+            part = ext.prompt_sdpa(
+                q[:, :, first:last], k[:, :, :keys], v[:, :, :keys], mask, mode, 0.125
+            )
+            assert mx.array_equal(whole[:, :, first:last], part).item(), (mode, first, last)
+
+
+def test_the_numbers_are_the_same_with_and_without_avx512():
+    """Where AVX-512 is there, its registers hold four rows at once: the same
+    arithmetic lane for lane as the AVX2 kernels, so the same numbers."""
+    ext = qmm.extension()
+    q = normal((1, 8, 45, 128), 11)  # 4 query heads a kv head: 180 rows a head, odd blocks
+    k = normal((1, 2, 400, 128), 12)[:, :, :389]
+    v = normal((1, 2, 400, 128), 13)[:, :, :389]
+    got = {}
+    for allowed in (True, False):
+        ext.set_avx512(allowed)
+        try:
+            got[allowed] = ext.prompt_sdpa(q, k, v, [], 1, 0.09)
+            mx.eval(got[allowed])
+        finally:
+            ext.set_avx512(True)
+    assert mx.array_equal(got[True], got[False]).item()
+    want = mlx_op("scaled_dot_product_attention")(q, k, v, scale=0.09, mask="causal")
+    assert relative_error(got[True], want) < TOLERANCE
 
 
 def test_attention_over_a_long_context_takes_the_prompt_path():
     q, k, v = attention_inputs(step_ops.SDPA_MAX_QUERIES + 1, 3000, seed=6)
     ext = qmm.extension()
-    assert hasattr(ext, "masked_softmax")
+    assert hasattr(ext, "prompt_sdpa")
     got = prompt_attention.attention(ext, q, k, v, 0.125, "causal")
     assert got is not None
     want = mlx_op("scaled_dot_product_attention")(q, k, v, scale=0.125, mask="causal")
     assert relative_error(got, want) < TOLERANCE
 
 
-def test_the_weights_take_the_scores_buffer_when_nothing_else_holds_it():
-    """Scores nothing else holds (a chunk's, fresh from the matmul) become the weights in
-    place, with the same numbers as scores the caller keeps: a chunk's attention holds
-    one heads x rows x keys block, not two."""
+def test_a_chunk_holds_no_block_of_scores():
+    """A chunk's attention holds its output, not a heads x rows x keys block of
+    scores (16 MB here, against the output's 0.5 MB)."""
     ext = qmm.extension()
-    base = normal((1, 2, 4, 256, 512), 6) * 4
-    mx.eval(base)
-    kept = base + 0.0
-    mx.eval(kept)
-    expected = ext.masked_softmax(kept, [], 1)  # `kept` is held here: a new block
-    mx.eval(expected)
-    block = base.nbytes
+    q = normal((1, 8, 256, 64), 8)
+    k, v = normal((1, 2, 2048, 64), 9), normal((1, 2, 2048, 64), 10)
+    mx.eval(q, k, v)
     mx.synchronize()
     mx.reset_peak_memory()
     before = mx.get_active_memory()
-    got = ext.masked_softmax(base + 0.0, [], 1)  # the sum is held by nothing else
+    got = ext.prompt_sdpa(q, k, v, [], 1, 0.125)
     mx.eval(got)
-    assert mx.get_peak_memory() - before < 1.5 * block  # one block: the sum, then the weights
-    assert mx.array_equal(got, expected).item()
+    assert mx.get_peak_memory() - before < 2 * got.nbytes
+    want = mlx_op("scaled_dot_product_attention")(q, k, v, scale=0.125, mask="causal")
+    assert relative_error(got, want) < TOLERANCE

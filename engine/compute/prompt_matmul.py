@@ -16,7 +16,7 @@ MLX's own kernels are fast; nothing is changed there.
 
 A chunk runs on every core the process may use (compute/cores.py; issue 42:
 prefill used one of two): the BLAS on that many threads while the chunk's
-layer is evaluated (compute/blas.py: attention's matmuls too), and the
+layer is evaluated (compute/blas.py), and the
 weight dequantized by flashserve's op on the kernel's threads
 (csrc/prompt_dequant.cpp) instead of MLX's one-thread mx.dequantize. Both
 give the one-thread path's numbers bit for bit (MIN_THREADED_ROWS says
@@ -76,9 +76,8 @@ MIN_THREADED_ROWS = 16
 # short prompt's tail) holds little, and there each evaluation only added a wait
 # for MLX's stream per linear (~40 us: 210 a chunk on the default model, a
 # seventh of a 10-token next turn's time to first token); left lazy, the chunk's
-# graph runs in one evaluation, as a decode step's does. The GEMM and the kernel
-# keep their threads either way; attention's BLAS calls run on one (MKL gives
-# them the same numbers on any count from MIN_THREADED_ROWS). Lazy against linear
+# graph runs in one evaluation, as a decode step's does. The GEMM, the kernel and
+# attention (csrc/prompt_sdpa.cpp) keep their threads either way. Lazy against linear
 # by linear after a 756-token prefix: the default model faster up to 64 rows
 # (46 against 60-67 ms at 16, 117 against 128-135 at 64), the 1.2B bench model
 # up to 36 (314 against 335-379 ms), level at 48, ~2% slower at 63

@@ -12,9 +12,13 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <memory>
+#include <string>
 #include <vector>
 
+#include "mlx/allocator.h"
 #include "mlx/array.h"
+#include "mlx/primitives.h"
 #include "qmm_kernels.h"
 #include "step_common.h"
 
@@ -26,6 +30,10 @@ using flashserve_step::kBool;
 using flashserve_step::kCausal;
 using flashserve_step::kAdditive;
 using flashserve_step::strides_as;
+
+// Fills out (B, Hq, Lq, Dv) for q, k, v, the mask (or null) and its mode.
+using AttentionCompute = void (*)(const mx::array& q, const mx::array& k, const mx::array& v,
+                                  const mx::array* mask, int mode, float scale, mx::array& out);
 
 // The fast path runs only where the CPU has AVX2 and FMA (qmm.py checks
 // before anything here is used), so these may use them unconditionally.
@@ -119,6 +127,42 @@ __attribute__((target("avx2,fma"))) inline void weighted_sum(const float* p, con
     }
   }
   for (int t = 0; t < W / 8; ++t) _mm256_storeu_ps(out + 8 * t, acc[t]);
+}
+
+// A prompt row's softmax (prompt_sdpa.cpp): t holds the scores with hidden
+// keys at -inf, padded with -inf to a multiple of 8; the weights go to o (K
+// of them; o may be t). The sum runs over 8-wide lanes fixed by the key's
+// position, so a row's weights do not depend on how many keys follow.
+__attribute__((target("avx2,fma"))) inline void softmax_row(float* t, int K, int padded, float* o,
+                                                      bool nan_if_hidden) {
+  const float inf = std::numeric_limits<float>::infinity();
+  __m256 top8 = _mm256_set1_ps(-inf);
+  for (int i = 0; i < padded; i += 8) top8 = _mm256_max_ps(top8, _mm256_loadu_ps(t + i));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, top8);
+  float top = -inf;
+  for (float lane : lanes) top = std::max(top, lane);
+  if (top == -inf) {
+    // Every key hidden: a bool mask in MLX's fallback leaves the lowest
+    // float there, so the weights come out uniform; an additive -inf, NaN.
+    const float w = nan_if_hidden ? std::numeric_limits<float>::quiet_NaN() : 1.0f / float(K);
+    std::fill(o, o + K, w);
+    return;
+  }
+  const __m256 m = _mm256_set1_ps(top);
+  __m256 acc = _mm256_setzero_ps();
+  for (int i = 0; i < padded; i += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(t + i), m));
+    _mm256_storeu_ps(t + i, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  _mm256_store_ps(lanes, acc);
+  double total = 0.0;
+  for (float lane : lanes) total += lane;
+  const __m256 inv = _mm256_set1_ps(float(1.0 / total));
+  int i = 0;
+  for (; i + 8 <= K; i += 8) _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_loadu_ps(t + i), inv));
+  for (; i < K; ++i) o[i] = t[i] * float(1.0 / total);
 }
 
 // Keys per part. Fixed (not derived from the thread count), so the parts and
@@ -295,6 +339,68 @@ inline void check_mask(const mx::array& m, int mode, int B, int Hq, int Lq, int 
     const int size = m.shape(d), w = want[4 - int(m.ndim()) + d];
     check(size == 1 || size == w, "sdpa: mask does not broadcast to the scores");
   }
+}
+
+// An attention op (step_sdpa.cpp, prompt_sdpa.cpp) as an MLX primitive on the
+// CPU stream.
+template <AttentionCompute Compute>
+class AttentionPrimitive : public mx::UnaryPrimitive {
+ public:
+  AttentionPrimitive(mx::Stream s, const char* name, int mode, float scale)
+      : mx::UnaryPrimitive(s), name_(name), mode_(mode), scale_(scale) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    flashserve_step::dispatch(
+        stream(), inputs, out,
+        [in = flashserve_step::weak(inputs), out = mx::array::unsafe_weak_copy(out), mode = mode_,
+         scale = scale_]() mutable {
+          Compute(in[0], in[1], in[2], in.size() > 3 ? &in[3] : nullptr, mode, scale, out);
+        });
+  }
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("flashserve step ops run on the CPU stream only");
+  }
+  const char* name() const override { return name_; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const AttentionPrimitive&>(other);
+    return mode_ == o.mode_ && scale_ == o.scale_;
+  }
+
+ private:
+  const char* name_;
+  int mode_;
+  float scale_;
+};
+
+// The op's array for 4-D float32 q (B, Hq, Lq, D), k (B, Hk, Lk, D), v (B, Hk,
+// Lk, Dv) and mask ([] or [mask] by mode), after checking them (`op` names it
+// in the messages).
+template <AttentionCompute Compute>
+mx::array attention_op(const char* op, const char* primitive, const mx::array& q,
+                       const mx::array& k, const mx::array& v,
+                       const std::vector<mx::array>& mask, int mode, float scale) {
+  using flashserve_step::check;
+  const auto says = [op](const char* what) { return std::string(op) + what; };
+  for (const auto* a : {&q, &k, &v}) {
+    check(a->dtype() == mx::float32 && a->ndim() == 4, says(" takes 4-D float32 q, k, v").c_str());
+  }
+  check(k.shape(0) == q.shape(0) && v.shape(0) == q.shape(0), says(": batch sizes differ").c_str());
+  check(k.shape(3) == q.shape(3), says(": q and k differ in head size").c_str());
+  check(k.shape(1) == v.shape(1) && k.shape(2) == v.shape(2), says(": k and v differ").c_str());
+  check(q.shape(1) % k.shape(1) == 0,
+        says(": query heads must be a multiple of kv heads").c_str());
+  check(mode >= flashserve_step::kNone && mode <= kAdditive, says(": unknown mask mode").c_str());
+  std::vector<mx::array> inputs{q, k, v};
+  if (mode == kBool || mode == kAdditive) {
+    check(mask.size() == 1, says(": this mask mode needs a mask").c_str());
+    check_mask(mask[0], mode, q.shape(0), q.shape(1), q.shape(2), k.shape(2));
+    inputs.push_back(mask[0]);
+  }
+  return mx::array({q.shape(0), q.shape(1), q.shape(2), v.shape(3)}, mx::float32,
+                   std::make_shared<AttentionPrimitive<Compute>>(flashserve_step::cpu_stream(),
+                                                                 primitive, mode, scale),
+                   std::move(inputs));
 }
 
 }  // namespace flashserve_sdpa

@@ -394,7 +394,7 @@ void run_prologue(PrologueKind kind, float eps, const std::vector<mx::array>& in
 void add_step_ops(nb::module_& m) {
   add_sdpa(m);
   add_cache_write(m);
-  add_prompt_softmax(m);
+  add_prompt_sdpa(m);
   add_prompt_dequant(m);
   add_expert_ops(m);
   m.def("rms_norm", &rms_norm, "x"_a, "weight"_a, "eps"_a,

@@ -20,8 +20,8 @@ void add_sdpa_quant(nanobind::module_& m);
 // Adds cache_write (step_cache.cpp).
 void add_cache_write(nanobind::module_& m);
 
-// Adds masked_softmax (prompt_softmax.cpp).
-void add_prompt_softmax(nanobind::module_& m);
+// Adds prompt_sdpa (prompt_sdpa.cpp).
+void add_prompt_sdpa(nanobind::module_& m);
 
 // Adds dequantize (prompt_dequant.cpp).
 void add_prompt_dequant(nanobind::module_& m);

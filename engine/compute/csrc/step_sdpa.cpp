@@ -142,54 +142,9 @@ void sdpa_compute(const mx::array& q, const mx::array& k, const mx::array& v,
             [&](int b, int hk, int c, Partial& part) { sdpa_part(args, b, hk, c, part); });
 }
 
-class FlashserveSDPA : public mx::UnaryPrimitive {
- public:
-  FlashserveSDPA(mx::Stream s, int mode, float scale)
-      : mx::UnaryPrimitive(s), mode_(mode), scale_(scale) {}
-
-  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    dispatch(stream(), inputs, out,
-             [in = weak(inputs), out = mx::array::unsafe_weak_copy(out), mode = mode_,
-              scale = scale_]() mutable {
-               sdpa_compute(in[0], in[1], in[2], in.size() > 3 ? &in[3] : nullptr, mode, scale,
-                            out);
-             });
-  }
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error("flashserve step ops run on the CPU stream only");
-  }
-  const char* name() const override { return "FlashserveSDPA"; }
-  bool is_equivalent(const mx::Primitive& other) const override {
-    const auto& o = static_cast<const FlashserveSDPA&>(other);
-    return mode_ == o.mode_ && scale_ == o.scale_;
-  }
-
- private:
-  int mode_;
-  float scale_;
-};
-
 mx::array sdpa(const mx::array& q, const mx::array& k, const mx::array& v,
                const std::vector<mx::array>& mask, int mode, float scale) {
-  for (const auto* a : {&q, &k, &v}) {
-    check(a->dtype() == mx::float32 && a->ndim() == 4, "sdpa takes 4-D float32 q, k, v");
-  }
-  check(k.shape(0) == q.shape(0) && v.shape(0) == q.shape(0), "sdpa: batch sizes differ");
-  check(k.shape(3) == q.shape(3), "sdpa: q and k differ in head size");
-  check(k.shape(1) == v.shape(1) && k.shape(2) == v.shape(2), "sdpa: k and v differ");
-  check(q.shape(1) % k.shape(1) == 0, "sdpa: query heads must be a multiple of kv heads");
-  check(mode >= kNone && mode <= kAdditive, "sdpa: unknown mask mode");
-  std::vector<mx::array> inputs{q, k, v};
-  if (mode == kBool || mode == kAdditive) {
-    check(mask.size() == 1, "sdpa: this mask mode needs a mask");
-    const auto& m = mask[0];
-    check_mask(m, mode, q.shape(0), q.shape(1), q.shape(2), k.shape(2));
-    inputs.push_back(m);
-  }
-  return mx::array({q.shape(0), q.shape(1), q.shape(2), v.shape(3)}, mx::float32,
-                   std::make_shared<FlashserveSDPA>(cpu_stream(), mode, scale),
-                   std::move(inputs));
+  return attention_op<sdpa_compute>("sdpa", "FlashserveSDPA", q, k, v, mask, mode, scale);
 }
 
 }  // namespace
