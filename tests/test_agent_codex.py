@@ -60,6 +60,16 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def slow_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with 8x the layers: Codex's first prompt (~10k tokens, mostly
+    attention on this model) then prefills for several of IDLE_MS, for the tests of a
+    prefill longer than Codex's idle timeout (checked there)."""
+    return make_agent_model(
+        tmp_path_factory.mktemp("codex-slow") / "tiny-qwen3", num_hidden_layers=32
+    )
+
+
+@pytest.fixture(scope="module")
 def served(model_dir: Path) -> Iterator[tuple[Server, list[Exchange]]]:
     with agent_server(model_dir) as running:
         yield running
@@ -320,10 +330,10 @@ def test_image_flag_reaches_a_vision_model(
     assert images_encoded(server) == before + 1
 
 
-def test_slow_first_prefill_kept_alive(codex: Path, model_dir: Path, tmp_path: Path) -> None:
+def test_slow_first_prefill_kept_alive(codex: Path, slow_model_dir: Path, tmp_path: Path) -> None:
     """A prefill longer than stream_idle_timeout_ms: keepalive events every second
     hold Codex's idle timer, so the one request completes without a retry."""
-    with agent_server(model_dir, stream_keepalive=1.0) as (server, log):
+    with agent_server(slow_model_dir, stream_keepalive=1.0) as (server, log):
         queue = script_queue(HELLO, HELLO, HELLO, HELLO)
         write_config(
             tmp_path / "home", server, queue, stream_idle_timeout_ms=IDLE_MS, stream_max_retries=3
@@ -340,13 +350,13 @@ def test_slow_first_prefill_kept_alive(codex: Path, model_dir: Path, tmp_path: P
 
 
 def test_retry_after_abandoned_prefill_resumes_from_the_cache(
-    codex: Path, model_dir: Path, tmp_path: Path
+    codex: Path, slow_model_dir: Path, tmp_path: Path
 ) -> None:
     """No keepalive events: Codex gives up on the silent prefill and retries; each
     try resumes where the abandoned one stopped, so the completed turn reports
     most of its prompt as cached."""
     retries = 10
-    with agent_server(model_dir, stream_keepalive=0, prompt_cache_bytes=1_000_000_000) as (
+    with agent_server(slow_model_dir, stream_keepalive=0, prompt_cache_bytes=1_000_000_000) as (
         server,
         log,
     ):

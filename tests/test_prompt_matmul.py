@@ -146,8 +146,8 @@ def test_a_short_chunk_is_evaluated_once_with_the_same_numbers(tmp_path, monkeyp
     lazy on the integer GEMM and on the kernel: no evaluation inside its linears (each
     waited for MLX's stream), one for the chunk, as a decode step. Its logits are those of
     the chunk evaluated linear by linear, bit for bit, on one thread (11 rows) and on
-    every core (40 rows: its attention's BLAS then runs on one thread instead); a longer
-    chunk still evaluates each linear (one chunk's activations at a time)."""
+    every core (40 rows); a longer chunk still evaluates each linear (one chunk's
+    activations at a time)."""
     if path_ == "integer" and not prompt_matmul.integer_available():
         pytest.skip("the integer prompt GEMM does not run here")
     if path_ == "kernel":

@@ -72,18 +72,19 @@ DEQUANT_BITS = (2, 4, 8)  # the widths flashserve's dequantize op unpacks
 MIN_THREADED_ROWS = 16
 
 # Tokens per sequence from which the integer GEMM's and the kernel's outputs are
-# evaluated linear by linear (below). A shorter chunk (an agent's next turn, a
-# short prompt's tail) holds little, and there each evaluation only added a wait
-# for MLX's stream per linear (~40 us: 210 a chunk on the default model, a
-# seventh of a 10-token next turn's time to first token); left lazy, the chunk's
-# graph runs in one evaluation, as a decode step's does. The GEMM, the kernel and
-# attention (csrc/prompt_sdpa.cpp) keep their threads either way. Lazy against linear
-# by linear after a 756-token prefix: the default model faster up to 64 rows
-# (46 against 60-67 ms at 16, 117 against 128-135 at 64), the 1.2B bench model
-# up to 36 (314 against 335-379 ms), level at 48, ~2% slower at 63
-# (docs/benchmarks/agent-turns.md). The arithmetic is the same op for op, so the
-# numbers are too.
-EVAL_EACH_FROM_ROWS = 64
+# evaluated linear by linear (below): a full chunk (prefill_step_size, 256 or 512)
+# holds one linear's activations at a time, as a layer-major prefill under a memory
+# limit plans. A shorter chunk (an agent's next turn, a short prompt's tail) holds
+# little, and there each evaluation only added a wait for MLX's stream per linear
+# (~40 us: 210 a chunk on the default model, a seventh of a 10-token next turn's
+# time to first token); left lazy, the chunk's graph runs in one evaluation, as a
+# decode step's does. The GEMM, the kernel and attention (csrc/prompt_sdpa.cpp) keep
+# their threads either way. Lazy against linear by linear after a 756-token prefix,
+# once attention ran on every core in both: the 1.2B bench model 376 against 398 ms
+# at 64 rows, 507 / 538 at 92, 683 / 725 at 128, and lazy still ahead at 300; the
+# default model 2-4% ahead at 92-200 (docs/benchmarks/agent-turns.md). The
+# arithmetic is the same op for op, so the numbers are too.
+EVAL_EACH_FROM_ROWS = 128
 
 
 class _Parallel:
