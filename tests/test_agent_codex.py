@@ -70,6 +70,15 @@ def slow_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def retry_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with 5x the layers: Codex's first prompt prefills a little past
+    IDLE_MS, so the first try is abandoned near its end and the retry finishes it."""
+    return make_agent_model(
+        tmp_path_factory.mktemp("codex-retry") / "tiny-qwen3", num_hidden_layers=20
+    )
+
+
+@pytest.fixture(scope="module")
 def served(model_dir: Path) -> Iterator[tuple[Server, list[Exchange]]]:
     with agent_server(model_dir) as running:
         yield running
@@ -350,13 +359,13 @@ def test_slow_first_prefill_kept_alive(codex: Path, slow_model_dir: Path, tmp_pa
 
 
 def test_retry_after_abandoned_prefill_resumes_from_the_cache(
-    codex: Path, slow_model_dir: Path, tmp_path: Path
+    codex: Path, retry_model_dir: Path, tmp_path: Path
 ) -> None:
     """No keepalive events: Codex gives up on the silent prefill and retries; each
     try resumes where the abandoned one stopped, so the completed turn reports
     most of its prompt as cached."""
     retries = 10
-    with agent_server(slow_model_dir, stream_keepalive=0, prompt_cache_bytes=1_000_000_000) as (
+    with agent_server(retry_model_dir, stream_keepalive=0, prompt_cache_bytes=1_000_000_000) as (
         server,
         log,
     ):

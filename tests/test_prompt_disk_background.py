@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import pytest
@@ -22,7 +23,12 @@ from mlx_lm import load as mlx_load
 
 from flashserve.engine.config import EngineConfig
 from flashserve.engine.generation import fairness
-from flashserve.engine.generation.requests import GenerationRequest, SamplingParams, TokenEvent
+from flashserve.engine.generation.requests import (
+    ErrorEvent,
+    GenerationRequest,
+    SamplingParams,
+    TokenEvent,
+)
 from flashserve.engine.generation.worker import Engine
 from flashserve.engine.prompt_cache import background
 from flashserve.engine.prompt_cache.disk import DiskTier
@@ -145,6 +151,48 @@ def test_an_engines_prefill_is_what_the_writer_waits_for(tiny_llama_dir: Path) -
     decode_calls = [busy for rows, busy in seen[1:] if rows == 1]
     assert prompt_calls and all(prompt_calls)
     assert decode_calls and not decode_calls[-1]
+
+
+def test_a_prefill_whose_step_failed_leaves_no_mark(tiny_llama_dir: Path) -> None:
+    """A prompt whose prefill step fails (the request gets the error, the batch is
+    replaced) is not left marked as prefilling: the disk writer and other engines do
+    not wait for it until the next prompt, nor the next request's decode steps."""
+    engine = Engine(EngineConfig(model=str(tiny_llama_dir), prompt_cache_disk_bytes=0))
+    engine.start()
+    assert engine.wait_ready(120), engine.load_error
+    model = engine.loaded.model
+    seen: list[tuple[int, bool]] = []
+    failed: list[int] = []
+    real = type(model).__call__
+
+    def spy(self, inputs, *args, **kwargs):
+        if self is model:
+            if inputs.shape[1] > 1 and not failed:
+                failed.append(inputs.shape[1])
+                raise RuntimeError("a prefill step that fails")
+            seen.append((inputs.shape[1], background._probe.prefilling()))
+        return real(self, inputs, *args, **kwargs)
+
+    type(model).__call__ = spy
+    try:
+
+        async def run() -> list[Any]:
+            greedy = SamplingParams(temperature=0.0)
+            handle = engine.submit(GenerationRequest(PROMPT, 4, greedy, use_prompt_cache=False))
+            return [e async for e in handle]
+
+        first = asyncio.run(run())
+        marked = dict(fairness.board.prefilling)  # before any other step
+        second = asyncio.run(run())
+    finally:
+        type(model).__call__ = real
+        engine.shutdown()
+    assert failed and any(isinstance(e, ErrorEvent) for e in first)
+    assert not marked
+    assert [e for e in second if isinstance(e, TokenEvent)]
+    decode_calls = [busy for rows, busy in seen if rows == 1]
+    assert decode_calls and not any(decode_calls[1:])
+    assert not fairness.board.prefilling
 
 
 def test_a_write_someone_waits_for_does_not_pause(

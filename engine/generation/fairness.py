@@ -80,14 +80,24 @@ def gate(batch: Any) -> None:
                 return step()
             finally:
                 if not prompts_pending(batch):
-                    with board.cond:
-                        board.prefilling.pop(me, None)
-                        board.cond.notify_all()
+                    leave()
+        # A mark left by a prefill that ended otherwise (a failed step: the batch
+        # is replaced) would hold every other engine and the disk writer.
+        leave()
         if board.on and board.prefilling:
             _wait_for_others(me)
         return step()
 
     batch.next = next_step
+
+
+def leave() -> None:
+    """The calling worker is not prefilling (its prefill ended, or its loop did)."""
+    me = threading.get_ident()
+    if me in board.prefilling:
+        with board.cond:
+            board.prefilling.pop(me, None)
+            board.cond.notify_all()
 
 
 def _wait_for_others(me: int) -> None:

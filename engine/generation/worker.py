@@ -236,11 +236,13 @@ class Engine:
             except Exception as exc:
                 # The step is shared, so every request in it fails; the worker goes on.
                 _log_failure("batch step failed", exc)
+                fairness.leave()  # its prefill, if it was one, ended here
                 for uid in list(active):
                     self._fail(active, uid, exc)
                 batch = self._new_batch()
         for uid in list(active):
             self._finish(active, uid, "cancelled")
+        fairness.leave()  # stopped part way through a prefill: other engines go on
 
     def _drop_cancelled(self, batch: BatchGenerator, active: dict[int, Choice]) -> None:
         """Remove cancelled choices from the batch; a prompt cancelled during its prefill
