@@ -33,7 +33,7 @@ class EngineConfig:
     # Generation
     max_batch: int = 8
     prefill_step_size: int = 512
-    # auto: layer-major prefill (generation/prefill.py) when some weights come
+    # auto: layer-major prefill (generation/prefill/layer_major.py) when some weights come
     # from disk; chunked: always mlx-lm's chunk-by-chunk prefill.
     prefill_order: str = "auto"
     prefill_group_bytes: int = 512 * 10**6  # activations a layer-major prefill may hold

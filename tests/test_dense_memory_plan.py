@@ -24,7 +24,7 @@ from mlx_lm.utils import load as mlx_lm_load
 from flashserve.engine.config import EngineConfig
 from flashserve.engine.generation import memory_guard
 from flashserve.engine.generation.memory_guard import MemoryGuard
-from flashserve.engine.generation.prefill import LayerMajorPrefill, PrefillJob
+from flashserve.engine.generation.prefill.layer_major import LayerMajorPrefill, PrefillJob
 from flashserve.engine.generation.stats import WorkerStats
 from flashserve.engine.loader import load
 from flashserve.engine.streaming.denseplan import (

@@ -180,8 +180,8 @@ def test_positions_and_decode_are_mlx_vlms(kind: str, request: pytest.FixtureReq
     from mlx_lm.models.cache import make_prompt_cache
 
     from flashserve.engine.config import EngineConfig
+    from flashserve.engine.generation.prefill.alone import prefill_alone
     from flashserve.engine.generation.requests import GenerationRequest, SamplingParams
-    from flashserve.engine.generation.shared_prefill import prefill_alone
     from flashserve.engine.generation.worker import Engine
     from flashserve.engine.vision.embed import image_embedder
     from flashserve.engine.vision.images import decode_image

@@ -180,7 +180,7 @@ def test_quantized_kv_serves_caches_and_batches_like_cold_runs(
 def test_streamed_layers_prefill_layer_major_into_the_same_quantized_cache(
     wide_llama: Path, tmp_path: Path
 ):
-    """Layers read from disk: prompts are prefilled layer-major (generation/prefill.py)
+    """Layers read from disk: prompts are prefilled layer-major (generation/prefill/layer_major.py)
     into the quantized cache, then decoded in the batch: the resident model's tokens,
     and a prompt-cache hit on top."""
     prepared = prepare(str(wide_llama), tmp_path / "prepared")

@@ -149,7 +149,7 @@ def test_each_chunk_gets_its_expert_rows_in_a_block_of_its_own(
     import numpy as np
 
     from flashserve.engine.experts.offload import ExpertOffload
-    from flashserve.engine.generation import prefill
+    from flashserve.engine.generation.prefill import layer_major as prefill
 
     made: list[list[mx.array]] = []
     given: list[list[mx.array]] = []

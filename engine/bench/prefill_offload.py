@@ -8,7 +8,7 @@ Two random float32 models, prepared for streaming:
 
 For each prompt length the same request (max_tokens = 1, greedy) runs with
 the model fully resident (the compute of the prompt), with layer-major
-prefill (generation/prefill.py, what `serve` does) and with mlx-lm's chunked
+prefill (generation/prefill/layer_major.py, what `serve` does) and with mlx-lm's chunked
 prefill, the page cache dropped before each row and every read evicted after
 use, so a re-read costs a disk read as it would for a model far larger than
 RAM. The expert cache starts empty in every row.

@@ -27,7 +27,7 @@ large model's attention and MLP) skip the copy: with flashserve's AVX-512
 kernel for their width, their prompt rows go to it as a decode step's do,
 measured faster than copy + BLAS there (issue 46). The choice depends on
 the weights only, so it is the same for every prompt and chunking.
-Elsewhere a layer-major prefill (generation/prefill.py) runs a layer's
+Elsewhere a layer-major prefill (generation/prefill/layer_major.py) runs a layer's
 chunks inside `keep_dequantized`, which makes each float copy once per
 layer instead of once per chunk.
 
@@ -49,7 +49,7 @@ rows too (experts/prompt_gemm.py; set_prompt_matmul reaches it).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -112,9 +112,10 @@ def prompt_threads() -> int:
 
 # Tokens per sequence up to which a call stays on the few-row kernel, as a
 # decode step does: 1, or k+1 while a speculative verification pass runs
-# (engine/speculative/). Its k+1 rows cost the kernel little more than one,
-# where dequantizing every weight for the BLAS costs ~25 decode steps on the
-# default model; and each row's numbers are then a decode step's.
+# (engine/speculative/), or 0 inside `prompt_rows`. Its k+1 rows cost the
+# kernel little more than one, where dequantizing every weight for the BLAS
+# costs ~25 decode steps on the default model; and each row's numbers are
+# then a decode step's.
 _decode_rows = [1]
 
 
@@ -133,6 +134,18 @@ def decode_limit() -> int:
     return _decode_rows[-1]
 
 
+def prompt_rows() -> AbstractContextManager[None]:
+    """Within the block every call runs as a prompt chunk's, even one of a single row:
+    a prompt's last tokens (generation/prefill/last_token.py) get the numbers they would have
+    in any longer chunk (attention too: compute/step_ops.py reads `all_prompt_rows`)."""
+    return decode_rows(0)
+
+
+def all_prompt_rows() -> bool:
+    """Whether calls run as prompt rows whatever their size (inside `prompt_rows`)."""
+    return _decode_rows[-1] == 0
+
+
 class _Kept:
     """Dequantized weights kept for reuse while `keep_dequantized` is open; None: not kept."""
 
@@ -146,7 +159,7 @@ _kept = _Kept()
 def keep_dequantized() -> Iterator[None]:
     """Within the block, each linear dequantizes its weight once and reuses it.
 
-    A layer-major prefill (generation/prefill.py) runs every chunk of a prompt
+    A layer-major prefill (generation/prefill/layer_major.py) runs every chunk of a prompt
     through one layer before the next: without this each chunk would make the
     layer's float weights again, and under a memory limit each of those large
     blocks is a fresh map, faulted in and zeroed page by page (issue 46: at
@@ -201,9 +214,13 @@ def on_integer(module: nn.QuantizedLinear, x: mx.array) -> bool:
     """Whether `module`'s prompt rows run on the integer GEMM: its `prompt_matmul` is
     "int16" or "int8", flashserve's CPU path is on, and the weights are ones it takes. Decided by
     the weights and settings alone, so every chunking of a prompt goes the same way."""
+    return x.dtype == mx.float32 and integer_weights(module)
+
+
+def integer_weights(module: nn.Module) -> bool:
+    """Whether `module`'s float32 prompt rows run on the integer GEMM (`on_integer`)."""
     return (
         getattr(module, "_prompt_xbits", 0) > 0
-        and x.dtype == mx.float32
         and qmm.active()
         and isinstance(module, qmm.FastQuantizedLinear)
         and integer_available()

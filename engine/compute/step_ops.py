@@ -26,8 +26,8 @@ own name for it), so every architecture's and sampler's call sites take
 them unchanged. A call takes the fast op when the fast path is on (the
 `quantized_matmul` setting: one switch for flashserve's CPU path), its
 arrays are float32 on the default CPU stream and, for attention, there are
-at most `SDPA_MAX_QUERIES` query rows (decode; prompt chunks take
-compute/prompt_attention.py: BLAS matmuls around a vectorized softmax) and
+at most `SDPA_MAX_QUERIES` query rows (decode; prompt chunks, and any
+call inside prompt_matmul.prompt_rows, take compute/prompt_attention.py) and
 no attention sinks;
 log-sum-exp must reduce the last axis. Anything else goes to MLX's function.
 Results agree with MLX's to float32 rounding; every path of a request
@@ -44,7 +44,7 @@ from typing import Any, ClassVar
 import mlx.core as mx
 from mlx_lm.models import activations
 
-from flashserve.engine.compute import prompt_attention, qmm
+from flashserve.engine.compute import prompt_attention, prompt_matmul, qmm
 
 SDPA_MAX_QUERIES = 8  # query rows per head up to which attention takes the fast op
 
@@ -180,7 +180,7 @@ def scaled_dot_product_attention(
     stream: Any = None,
 ) -> mx.array:
     """mx.fast.scaled_dot_product_attention on the CPU for float32: one op for few
-    query rows (decode), BLAS matmuls around a vectorized softmax for more (prompt chunks)."""
+    query rows (decode), the prompt attention op for more (prompt chunks)."""
     ext = _fast()
     if (
         ext is not None
@@ -190,7 +190,7 @@ def scaled_dot_product_attention(
         and q.dtype == k.dtype == v.dtype == mx.float32
         and q.shape[1] % k.shape[1] == 0
     ):
-        if q.shape[2] > SDPA_MAX_QUERIES:
+        if q.shape[2] > SDPA_MAX_QUERIES or prompt_matmul.all_prompt_rows():
             out = prompt_attention.attention(ext, q, k, v, scale, mask)
             if out is not None:
                 return out
@@ -220,7 +220,8 @@ def quantized_attention(
     `keys` and `values` are MLX-quantized (packed uint32, float32 scales,
     biases), as kv/cache.py keeps them; the op reads them packed
     (csrc/step_sdpa_quant.cpp). None (the caller dequantizes) for prompt
-    chunks (more than SDPA_MAX_QUERIES query rows), other dtypes, an
+    chunks (more than SDPA_MAX_QUERIES query rows, or any inside
+    prompt_matmul.prompt_rows), other dtypes, an
     extension built without the op, or while the fast ops are off.
     """
     ext = _fast()
@@ -230,6 +231,7 @@ def quantized_attention(
         or q.dtype != mx.float32
         or q.ndim != 4
         or q.shape[2] > SDPA_MAX_QUERIES
+        or prompt_matmul.all_prompt_rows()
         or len(keys) != 3
         or len(values) != 3
         or any(a.dtype != mx.float32 for a in (*keys[1:], *values[1:]))

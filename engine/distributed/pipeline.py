@@ -32,7 +32,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 
-from flashserve.engine.weights.layout import find_layers
+from flashserve.engine.weights.layout import find_layers, layer_list
 from flashserve.engine.weights.model import ModelLoadError
 
 log = logging.getLogger(__name__)
@@ -201,18 +201,15 @@ def num_layers(model: nn.Module) -> int:
 
 
 def _layer_list(model: nn.Module) -> list[Any]:
-    """The list object the model keeps its decoder layers in (`model.layers` is
-    often a property returning a slice of it)."""
-    _, prefix = find_layers(model)
-    obj: Any = model
-    for part in prefix.rstrip(".").split("."):
-        obj = obj.get(part) if isinstance(obj, dict) else None
-    if not isinstance(obj, list):
+    """The list object the model keeps its decoder layers in."""
+    layers = layer_list(model)
+    if layers is None:
+        find_layers(model)  # its reason, where it has one
         raise ModelLoadError(
             f"{type(model).__module__}: its decoder layers are not one list; "
             "it cannot be split across ranks"
         )
-    return obj
+    return layers
 
 
 def _weight_bytes(layer: Any) -> int:

@@ -380,7 +380,7 @@ def restore_parts(
     """restore_order for consecutive runs of `parts[i]` tokens: one (tokens, k, hidden)
     array each, in a block of its own.
 
-    A layer-major prefill hands each of its chunks its rows (generation/prefill.py).
+    A layer-major prefill hands each of its chunks its rows (generation/prefill/layer_major.py).
     Views of one whole output would share its block, so the model's next op on
     them (mlx-lm's MoE block weighs them by the router's scores) could not write
     in place and would make a second block the size of the call's output.

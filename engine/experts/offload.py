@@ -117,7 +117,7 @@ class ExpertOffload:
         # Expert reads in flight during a prefill call: enough to keep every
         # I/O thread busy while the experts before them compute.
         self.prefill_window = max(2 * store.threads, 4)
-        # Set by layer-major prefill (generation/prefill.py) while it runs: MoE
+        # Set by layer-major prefill (generation/prefill/layer_major.py) while it runs: MoE
         # calls go to it, so the calls of every chunk become one prefill call.
         self.gather: Callable[[int, mx.array, mx.array], mx.array] | None = None
 

@@ -4,7 +4,7 @@ A prefill call routes its tokens to nearly every expert of the layer, far
 more than a decode step needs, and usually more than the expert cache holds.
 Going through the cache (experts/offload.py's decode path) would evict
 decode's working set for experts that the prompt uses once. So a prefill call
-(sequences longer than one token; generation/prefill.py makes it one call for
+(sequences longer than one token; generation/prefill/layer_major.py makes it one call for
 every chunk of the prompts being prefilled) runs expert by expert instead:
 
 * cached experts are used where they are, without counting a use, so the

@@ -15,9 +15,9 @@ import mlx.core as mx
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer
 
 from flashserve.engine.generation.logprobs import sampled_logprobs
+from flashserve.engine.generation.prefill.alone import PromptScores
 from flashserve.engine.generation.requests import DoneEvent, RequestHandle, TokenEvent
 from flashserve.engine.generation.sampling import GuardedProcessors
-from flashserve.engine.generation.shared_prefill import PromptScores
 from flashserve.engine.generation.stats import TtftParts
 from flashserve.engine.generation.stops import StopMatcher
 
@@ -43,7 +43,7 @@ class Start:
 
     @property
     def alone(self) -> bool:
-        """Whether the prompt is prefilled outside the batch (shared_prefill.py says why)."""
+        """Whether the prompt is prefilled outside the batch (prefill/alone.py says why)."""
         request = self.handle.request
         return (
             request.n > 1

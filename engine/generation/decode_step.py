@@ -50,7 +50,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import BatchKVCache
 
-from flashserve.engine.compute import qmm, step_ops
+from flashserve.engine.compute import prompt_matmul, qmm, step_ops
 from flashserve.engine.kv import cache as kv_cache
 from flashserve.engine.kv.cache import QuantizedBatchKVCache
 from flashserve.engine.speculative.mlx_lm_internals import (
@@ -169,6 +169,8 @@ class CompiledDecode:
         # would attend over it, masked, and round differently.
         streams = self.streamer is not None and self.streamer.streamed_layers
         plain = kwargs or streams or self.failed or not step_ops.active()
+        # A prompt's last token (generation/prefill/last_token.py) runs as prompt rows, uncompiled.
+        plain = plain or prompt_matmul.all_prompt_rows()
         if plain or not _eligible(inputs, cache):
             return self.model(inputs, cache=cache, **kwargs)
         assert cache is not None

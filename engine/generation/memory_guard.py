@@ -96,7 +96,7 @@ class MemoryGuard:
 
     @classmethod
     def for_loaded(cls, loaded: Any, prompt_cache: Any = None, prefill: Any = None) -> MemoryGuard:
-        """The guard of `loaded`; `prefill` (generation/prefill.py's) then asks it for
+        """The guard of `loaded`; `prefill` (generation/prefill/layer_major.py's) then asks it for
         each prefill's chunk and float copies."""
         plan = getattr(getattr(loaded, "streamer", None), "memory_plan", None)
         guard = cls(loaded, getattr(plan, "kv_budget_tokens", None), prompt_cache)

@@ -4,7 +4,9 @@ Three moments of a sequence in the batch (worker.py calls these), and one
 of a prompt with images, prefilled outside it (`prefix_keeper`):
 - its prefill reaches prompt[:-1]: the longest prefix any later prompt can
   reuse (BatchGenerator splits each prompt's last token into a segment of its
-  own, so the end of the first segment is exactly that state). A state that
+  own, so the end of the first segment is exactly that state; a prompt whose
+  last token runs in its tail, generation/prefill/last_token.py, never stops there:
+  `tail_end_pending`). A state that
   can be trimmed is taken only once the first token is out, cut back to
   prompt[:-1]: the stored state shares the live cache's buffers, so the next
   step's write into them copies the whole cache (~50 ms for a 1.2B model's
@@ -75,10 +77,21 @@ def prompt_ends(
     return states
 
 
+def tail_end_pending(
+    cache: PromptCache | None, config: Any, request: Any, inputs: list[int]
+) -> bool:
+    """Whether a prompt whose last token runs in its tail (prefill/last_token.py) stores its
+    state at prompt[:-1] once its first token is out (cut back by one, as a trimmable
+    state is above): when `inputs`, what it prefills, hold more than that token."""
+    if cache is None or not config.prompt_prefix_states:
+        return False
+    return request.use_prompt_cache and len(inputs) > 1
+
+
 def prefix_keeper(
     cache: PromptCache | None, config: Any, start: Any
 ) -> Callable[[list[Any]], None] | None:
-    """For a prompt with images prefilled alone (shared_prefill.py): what stores its
+    """For a prompt with images prefilled alone (prefill/alone.py): what stores its
     state at prompt[:-1], as the batch does for other prompts. A model with recurrent
     state (Qwen3.5's gated delta-net) can reuse nothing shorter than a stored state,
     so the next turn's prompt, which extends this one, starts there."""

@@ -109,7 +109,7 @@ def sample_first(
     """The first new token from the prompt's last logits, sampled the way mlx-lm's
     BatchGenerator samples every token: processors over the whole context, log-softmax,
     sampler; with the log-softmaxed row it was drawn from. A prefill outside the
-    batch (generation/prefill.py, shared_prefill.py) hands these logits over."""
+    batch (generation/prefill/: layer_major.py, alone.py) hands these logits over."""
     logits = logits.reshape(1, -1)
     if processors is not None:
         # An image's virtual id (vision/prompt.py) is its placeholder's id to a processor.

@@ -28,7 +28,13 @@ from flashserve.engine.distributed.mirror import Mirror, load_model
 from flashserve.engine.generation import decode_step, fairness, prompt_states
 from flashserve.engine.generation.choices import Choice, Start, detokenizer_for
 from flashserve.engine.generation.memory_guard import MemoryGuard, kv_tokens
-from flashserve.engine.generation.prefill import (
+from flashserve.engine.generation.prefill import last_token
+from flashserve.engine.generation.prefill.alone import (
+    PrefillCancelled,
+    PromptScores,
+    prefill_alone,
+)
+from flashserve.engine.generation.prefill.layer_major import (
     LayerMajorPrefill,
     LayerMajorUnsupported,
     PrefillJob,
@@ -47,11 +53,6 @@ from flashserve.engine.generation.sampling import (
     make_request_sampler,
     sample_first,
     speculative_sampling,
-)
-from flashserve.engine.generation.shared_prefill import (
-    PrefillCancelled,
-    PromptScores,
-    prefill_alone,
 )
 from flashserve.engine.generation.stats import (
     BATCH_SIZE_BUCKETS,
@@ -216,6 +217,7 @@ class Engine:
             prefill_step_size=self.config.prefill_step_size,
         )
         if self.mirror is None:  # the ranks of a split model step alike: plain steps only
+            last_token.install(batch)  # a prompt's last token runs in its tail
             self.speculation.install(batch, loaded.tokenizer)
             fairness.gate(batch)  # beside other engines: another's prefill first, briefly
             fairness.first_token_gate(batch)  # on the CPU: out before the step after
@@ -379,17 +381,18 @@ class Engine:
 
     def _prefill_layer_major(self, starts: list[Start]) -> None:
         """Prefill the prompts together, layer-major, when weights come from disk: one
-        pass over the weights gives each prompt its cache and its first token
-        (generation/prefill.py says why and how); the batch decodes from the second on.
-        """
+        pass over the weights gives each its cache and first token (prefill/layer_major.py
+        says why and how); the batch decodes from the second on."""
         # A request that wants its prompt's logprobs is prefilled alone, which keeps them.
         starts = [s for s in starts if s.handle.request.prompt_logprobs is None]
-        if self._layer_major is None or not self._layer_major_wanted() or not starts:
+        loaded = self.loaded
+        if self._layer_major is None or loaded is None or not starts:
             return
-        assert self.loaded is not None
+        if loaded.experts is None and not loaded.streamer.streamed_layers:
+            return  # every weight is resident now (shedding can stream more layers)
         for start in starts:
             if start.cache is None:
-                start.cache = make_prompt_cache(self.loaded.model)
+                start.cache = make_prompt_cache(loaded.model)
         jobs = [
             PrefillJob(
                 s.prompt[s.reused :],
@@ -402,6 +405,7 @@ class Engine:
             )
             for s in starts
         ]
+        self._layer_major.fold = last_token.engine_folds(self.loaded, self.mirror)
         try:
             self._layer_major.run(jobs)
             mx.eval([job.logits for job in jobs if not job.dropped])
@@ -427,12 +431,6 @@ class Engine:
             start.reused = len(start.prompt)
             start.logits = job.logits
             start.prefilled_at = time.perf_counter()
-
-    def _layer_major_wanted(self) -> bool:
-        """Whether some weights come from disk now (shedding can stream more layers)."""
-        loaded = self.loaded
-        assert loaded is not None
-        return loaded.experts is not None or bool(loaded.streamer.streamed_layers)
 
     def _start(self, batch: BatchGenerator, start: Start, active: dict[int, Choice]) -> None:
         """Put the request's choices into the batch. After a prefill outside the batch,
@@ -467,7 +465,7 @@ class Engine:
                 return
 
     def _prefill_alone(self, start: Start) -> bool:
-        """Prefill outside the batch (generation/shared_prefill.py); False if the request ended."""
+        """Prefill outside the batch (generation/prefill/alone.py); False if the request ended."""
         assert self.loaded is not None
         request = start.handle.request
         start.cache = start.cache or make_prompt_cache(self.loaded.model)
@@ -484,6 +482,7 @@ class Engine:
                 start.handle.was_cancelled,
                 image_embedder(self.loaded, start.prompt, start.images, start.encoded, start.cache),
                 prompt_states.prefix_keeper(self.prompt_cache, self.config, start),
+                fold=last_token.engine_folds(self.loaded, self.mirror),
             )
         except PrefillCancelled:
             self._cancel_waiting(start.handle)
@@ -530,8 +529,11 @@ class Engine:
                 self._finish_entry(choice, "stop")
                 return
             inputs, max_tokens = [first], max_tokens - 1
-        (choice.uid,) = batch.insert(
-            [inputs],
+        folded = start.logits is None and last_token.engine_folds(self.loaded, self.mirror)
+        pending = prompt_states.tail_end_pending(self.prompt_cache, self.config, request, inputs)
+        choice.prompt_end_pending = folded and pending
+        (choice.uid,) = (batch.insert_segments if folded else batch.insert)(  # mirrored: insert
+            [last_token.segments(inputs, self.config.prefill_step_size) if folded else inputs],
             max_tokens=[max_tokens],
             caches=batch_caches(self.loaded, cache, len(inputs)),
             # The reused tokens are history for penalties, as in a cold prefill.

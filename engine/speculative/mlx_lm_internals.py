@@ -3,7 +3,8 @@
 Speculative decoding uses most of them; the compiled decode step
 (generation/decode_step.py) reads and moves BatchKVCache's write position too,
 generation/fairness.py asks whether a batch's next step prefills or emits a
-sequence's first token.
+sequence's first token, and generation/prefill/last_token.py swaps the batch's prompt
+batch for one whose move to generation runs a prompt's tail.
 
 mlx-lm's continuous batching has no public hook for a step that emits several
 tokens per sequence, nor for taking a batch's KV cache back per sequence, so
@@ -27,7 +28,7 @@ from importlib.metadata import version
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.generate import BatchGenerator, GenerationBatch
+from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, TokenBuffer
 from mlx_lm.sample_utils import greedy_sampler
 
@@ -94,6 +95,15 @@ def set_generation_batch(batch: BatchGenerator, generation: GenerationBatch) -> 
     batch._generation_batch = generation
 
 
+def prompt_batch(batch: BatchGenerator) -> PromptProcessingBatch:
+    return batch._prompt_batch
+
+
+def set_prompt_batch(batch: BatchGenerator, prompts: PromptProcessingBatch) -> None:
+    """Swap the batch's prompt batch (generation/prefill/last_token.py: its move to generation)."""
+    batch._prompt_batch = prompts
+
+
 def emitted_counts(batch: BatchGenerator) -> list[int]:
     """Tokens each decoding sequence has emitted (0: its next step emits its first)."""
     return batch._generation_batch._num_tokens
@@ -147,7 +157,7 @@ def check() -> None:
     """Look up every internal speculation uses on fresh mlx-lm objects; raise
     InternalsChanged naming the first one missing."""
     generator = BatchGenerator(None)
-    _require("BatchGenerator", generator, ("_generation_batch", "_find_uids"))
+    _require("BatchGenerator", generator, ("_generation_batch", "_find_uids", "_prompt_batch"))
     _require("BatchGenerator", generator, ("_unprocessed_sequences", "_currently_processing"))
     generation = GenerationBatch.empty(None, greedy_sampler)
     _require(

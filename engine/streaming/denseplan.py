@@ -415,7 +415,7 @@ def apply_dense_plan(config: EngineConfig, shape: DenseShape) -> MemoryPlan:
     config.prompt_cache_bytes = kept.prompt_cache_bytes
     config.kv_bits = kept.kv_bits  # before the model hands out its caches (loader.py)
     # The whole prompt's hidden states in one group: one read of each streamed
-    # layer per prompt (generation/prefill.py).
+    # layer per prompt (generation/prefill/layer_major.py).
     config.prefill_group_bytes = max(
         int(config.prefill_group_bytes), plan.context_tokens * shape.held_bytes_per_token
     )

@@ -231,7 +231,7 @@ def _dense_shape(
         layer_bytes=layer_bytes,
         kv_bytes_per_token=price.unbounded + sum(per for per, _ in price.bounded),
         kv_bytes=price.bytes,
-        held_bytes_per_token=2 * hidden * compute_dtype().size,  # generation/prefill.py
+        held_bytes_per_token=2 * hidden * compute_dtype().size,  # generation/prefill/layer_major.py
         context_length=context_length_of(model_config),
         activations=dense_activations(model_config, config, kv_bits),
         float_copy_bytes=copies[0],

@@ -506,7 +506,7 @@ class LayerStreamer:
     def holding(self, index: int) -> Iterator[None]:
         """Keep streamed layer `index` installed while the block runs.
 
-        Layer-major prefill (generation/prefill.py) runs every chunk of a
+        Layer-major prefill (generation/prefill/layer_major.py) runs every chunk of a
         prompt through the layer inside the block: one read of the layer
         for the whole prompt instead of one per chunk.
         """

@@ -2,7 +2,7 @@
 vision tower's thread that encodes them while the batch decodes.
 
 The worker prefills a prompt that holds images outside the batch, chunk by
-chunk (generation/shared_prefill.py), passing each chunk's embeddings to the
+chunk (generation/prefill/alone.py), passing each chunk's embeddings to the
 mlx-lm model as `input_embeddings`: the token embeddings of the language
 model that runs (resident or streamed), with each image's placeholder rows
 replaced by its features. Each image is encoded once, on the vision thread

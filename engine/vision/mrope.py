@@ -10,7 +10,7 @@ mlx-lm's language model, which flashserve runs, rotates a token by its
 index, `offset` + i, where `offset` is the cache's. The positions therefore
 travel where mlx-lm passes positions, the cache's offset:
 
-- A prompt with images is prefilled by flashserve (generation/shared_prefill.py
+- A prompt with images is prefilled by flashserve (generation/prefill/alone.py
   and prefill.py, through vision/embed.py). `place` makes each attention
   cache's offset a RopeOffset: still the int mlx-lm reads and writes, which
   also carries the prompt's positions and stays one as the cache grows.

@@ -141,6 +141,20 @@ def find_layers(model: nn.Module) -> tuple[list[nn.Module], str]:
     raise ModelLoadError("cannot find the parameter prefix of the decoder layers")
 
 
+def layer_list(model: nn.Module) -> list[nn.Module] | None:
+    """The list object the model keeps its decoder layers in (the forward reads it),
+    or None. `model.layers` is often a property returning a slice of it, which is why
+    the list is found by the layers' parameter path ("model.layers.")."""
+    try:
+        _, prefix = find_layers(model)
+    except ModelLoadError:
+        return None
+    obj: Any = model
+    for part in prefix.rstrip(".").split("."):
+        obj = obj.get(part) if isinstance(obj, dict) else None
+    return obj if isinstance(obj, list) else None
+
+
 def _get_module(root: nn.Module, path: str) -> Any:
     obj: Any = root
     for part in path.split("."):

@@ -4,20 +4,26 @@ Two kinds of request do: n > 1, whose choices all start from one prefill (the
 state is copied per choice, then each samples its own first token), and echo
 with logprobs, which needs the model's distribution at every prompt position,
 which mlx-lm's BatchGenerator does not keep. The arithmetic is the batch's:
-the prompt but its last token in chunks of prefill_step_size, then the last
-token alone, whose logits give the first new token.
+the prompt in chunks of prefill_step_size, its last token in the last one
+(`fold`: generation/prefill/last_token.py) or, for a model that does not fold, the
+prompt but its last token in chunks, then the last token alone; the last
+token's logits give the first new token.
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
+from mlx_lm.models.cache import trim_prompt_cache
 
+from flashserve.engine.compute import prompt_matmul
 from flashserve.engine.generation.logprobs import TopLogprobs, next_token_logprobs
+from flashserve.engine.generation.prefill.last_token import last_rows
 from flashserve.engine.generation.requests import PromptLogprobsEvent
 from flashserve.engine.vision.embed import Embed, real_tokens
 
@@ -56,25 +62,38 @@ def prefill_alone(
     cancelled: Callable[[], bool] = lambda: False,
     embed: Embed | None = None,
     keep_prefix: Callable[[list[Any]], None] | None = None,
+    fold: bool = False,
 ) -> mx.array:
     """Run prompt[start:] into `cache` (which holds prompt[:start]); the (vocab,)
     logits after the last token. With `scores` (start must be 0) every position's
     logprobs are gathered on the way. With `embed` (a prompt with images) each
     chunk goes in as its embeddings, the images' features merged in. `keep_prefix`
-    is given a copy of the state after prompt[:-1] (when this prefill made it)."""
+    is given a copy of the state after prompt[:-1] (when this prefill made it).
+    `fold`: the last token runs in the last chunk (last_token.folds said so)."""
     assert scores is None or start == 0, "prompt logprobs need the whole prompt computed"
-    end = len(prompt) - 1
+    end = len(prompt) if fold else len(prompt) - 1
     position = start
     while position < end:
         if cancelled():
             raise PrefillCancelled
         chunk = prompt[position : min(position + step, end)]
-        logits = _forward(model, chunk, position, cache, embed)
+        tail = fold and position + len(chunk) == end
+        with prompt_matmul.prompt_rows() if fold else nullcontext():
+            # Without prompt logprobs only the last row goes on to the LM head.
+            rows = last_rows(model, [len(chunk) - 1]) if tail and scores is None else nullcontext()
+            with rows:
+                logits = _forward(model, chunk, position, cache, embed)
         if scores is not None:
             scores.add(logits[0], position)
         # The chunk's cache update is part of its logits' graph: this computes it.
         mx.eval(logits[0, -1])
         position += len(chunk)
+    if fold:
+        if keep_prefix is not None and end - 1 > start:
+            state = copy.deepcopy(cache)
+            trim_prompt_cache(state, 1)
+            keep_prefix(state)
+        return logits[0, -1]
     if keep_prefix is not None and end > start:
         keep_prefix(copy.deepcopy(cache))
     logits = _forward(model, prompt[end:], end, cache, embed)[0, -1]

@@ -12,7 +12,9 @@ reads each needed expert once (experts/prefill.py).
 The arithmetic is the chunked prefill's: the same chunks, the same layer
 calls with the same inputs, cache states and masks, in an order where each
 call still follows the calls it depends on (chunk c of layer l needs layer l's
-cache after chunk c - 1, and layer l - 1's output of chunk c).
+cache after chunk c - 1, and layer l - 1's output of chunk c). Where the model
+folds (generation/prefill/last_token.py), the last token runs in the last chunk, its
+rows as prompt rows, as in the batch.
 
 How it runs the model's own code, for any mlx-lm architecture:
 
@@ -51,8 +53,8 @@ from greenlet import greenlet
 from flashserve.engine.compute import heap, prompt_matmul
 from flashserve.engine.experts.prefill import hold_room, release_room
 from flashserve.engine.vision.prompt import real_tokens
-from flashserve.engine.weights.layout import find_layers
-from flashserve.engine.weights.model import ModelLoadError, compute_dtype
+from flashserve.engine.weights.layout import layer_list
+from flashserve.engine.weights.model import compute_dtype
 
 log = logging.getLogger(__name__)
 
@@ -65,9 +67,10 @@ class LayerMajorUnsupported(Exception):
 class PrefillJob:
     """One prompt: `tokens` run into `cache` (a cache list, advanced in place).
 
-    The last token runs as a chunk of its own, as in chunked prefill (mlx-lm
-    gives it to the first decode step), and its logits are kept: the first
-    new token comes out of this one pass over the weights.
+    The last token runs in the last chunk (`LayerMajorPrefill.fold`,
+    generation/prefill/last_token.py) or, for a model that does not fold, as a chunk
+    of its own, as in chunked prefill; its logits are kept: the first new
+    token comes out of this one pass over the weights.
     """
 
     tokens: list[int]
@@ -113,6 +116,9 @@ class LayerMajorPrefill:
     # Asked before each run: (chunk tokens, keep float copies) the memory allows
     # now, or None (generation/memory_guard.py). The tokens are the same in any chunking.
     settings_for: Callable[[], tuple[int, bool] | None] | None = None
+    # The last token runs in its prompt's last chunk, as prompt rows (the worker
+    # sets it per run: last_token.folds); only its row goes past the last layer.
+    fold: bool = False
     _current: _Chunk | None = field(default=None, init=False)  # the chunk running now
     _round: int = field(default=-1, init=False)  # the layer whose round runs
     _main: greenlet | None = field(default=None, init=False)  # the driver's greenlet
@@ -147,7 +153,7 @@ class LayerMajorPrefill:
         experts: Any = None,
     ) -> LayerMajorPrefill | None:
         """The prefill of `model`, or None when its layers are not one list it reads."""
-        layers = _layer_list(model)
+        layers = layer_list(model)
         if layers is None:
             log.info("%s: no layer list to run layer-major", type(model).__module__)
             return None
@@ -187,13 +193,13 @@ class LayerMajorPrefill:
         for job in jobs:
             base = _offset(job.cache)
             body = len(job.tokens) - 1
+            end = len(job.tokens) if self.fold else body
             cuts = [
-                (pos, min(pos + self.chunk_tokens, body))
-                for pos in range(0, body, self.chunk_tokens)
+                (pos, min(pos + self.chunk_tokens, end)) for pos in range(0, end, self.chunk_tokens)
             ]
             if job.keep_prefix and body > 0:
                 job.prefix_state = [None] * len(job.cache)
-            for a, b in [*cuts, (body, body + 1)]:
+            for a, b in cuts if self.fold else [*cuts, (body, body + 1)]:
                 if room < b - a:
                     groups.append([])
                     room = per_group
@@ -262,9 +268,11 @@ class LayerMajorPrefill:
             keep = prompt_matmul.keep_dequantized() if self.keep_float_copies else nullcontext()
             with keep:  # each float copy once per round, not per chunk
                 for chunk in chunks:
-                    if chunk.last and chunk.job.prefix_state is not None:
+                    if chunk.last and chunk.job.prefix_state is not None and not self.fold:
                         _snapshot(chunk.job, index)
                     self._resume(chunk)
+                    if chunk.last and chunk.job.prefix_state is not None and self.fold:
+                        _snapshot(chunk.job, index, trim=1)  # the last token ran with it
             waiting = [c for c in chunks if c.message is not None and c.message[0] == "moe"]
             while waiting:
                 self._merged_moe(waiting)
@@ -340,24 +348,15 @@ class _Gate:
         assert chunk is not None and driver._round == self.index
         args = tuple(chunk.proxies.get(id(a), a) for a in args)
         kwargs = {k: chunk.proxies.get(id(v), v) for k, v in kwargs.items()}
-        chunk.out = self.layer(h, *args, **kwargs)
-        return chunk.out
-
-
-def _layer_list(model: nn.Module) -> list[nn.Module] | None:
-    """The list object the model keeps its decoder layers in (the forward reads it).
-
-    `model.layers` is often a property returning a slice of it, which is why
-    the list is found by the layers' parameter path ("model.layers.").
-    """
-    try:
-        _, prefix = find_layers(model)
-    except ModelLoadError:
-        return None
-    obj: Any = model
-    for part in prefix.rstrip(".").split("."):
-        obj = obj.get(part) if isinstance(obj, dict) else None
-    return obj if isinstance(obj, list) else None
+        # Folding, a layer's rows are prompt rows whatever the chunk's size (a dense
+        # layer's call does not switch greenlets: the block is one chunk's).
+        with prompt_matmul.prompt_rows() if driver.fold else nullcontext():
+            chunk.out = self.layer(h, *args, **kwargs)
+        out = chunk.out
+        tail = driver.fold and chunk.last and self.index == len(driver.layers) - 1
+        if tail and isinstance(out, mx.array) and out.ndim == 3:
+            return out[:, -1:]  # only the last token's row goes on to the LM head
+        return out
 
 
 def _forward(model: nn.Module, chunk: _Chunk, cache: list[Any]) -> Callable[[], None]:
@@ -375,11 +374,14 @@ def _forward(model: nn.Module, chunk: _Chunk, cache: list[Any]) -> Callable[[], 
     return run
 
 
-def _snapshot(job: PrefillJob, index: int) -> None:
-    """Keep layer `index`'s state after tokens[:-1]: its last token runs next."""
+def _snapshot(job: PrefillJob, index: int, trim: int = 0) -> None:
+    """Keep layer `index`'s state after tokens[:-1]: taken before its last token runs,
+    or after, cut back by `trim` (a folded last token: its caches can be trimmed)."""
     assert job.prefix_state is not None
     if index < len(job.cache):
         state = copy.deepcopy(job.cache[index])
+        if trim:
+            state.trim(trim)
         mx.eval(_state([state], 0))
         job.prefix_state[index] = state
 
