@@ -18,7 +18,9 @@ from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
 from flashserve.engine.compute import prompt_matmul
 from flashserve.engine.config import EngineConfig
-from flashserve.engine.generation.prefill import last_token
+from flashserve.engine.generation.prefill import last_token, layer_major
+from flashserve.engine.generation.prefill.alone import prefill_alone
+from flashserve.engine.generation.prefill.layer_major import PrefillJob
 from flashserve.engine.generation.requests import (
     DoneEvent,
     GenerationRequest,
@@ -160,3 +162,30 @@ def test_tails_and_plain_prompts_move_to_generation_together(q4_dir: Path):
 
     together = run(["tail", "plain"])
     assert together == {**run(["tail"]), **run(["plain"])}
+
+
+def test_a_filled_sliding_window_keeps_no_prompt_end_state(tmp_path: Path):
+    """Folded, the state at prompt[:-1] is the tail's cut back by one. A sliding window
+    that filled cannot be cut back: nothing is kept rather than a wrong state (outside
+    the batch and layer-major: the batch's store checks the same when it takes it)."""
+    if not prompt_matmul.integer_available():
+        pytest.skip("the integer prompt GEMM does not run here: prompts do not fold")
+    path = make_model_dir(
+        tmp_path / "gemma", "gemma3_text", overrides={"sliding_window": 16}, quantize_bits=4
+    )
+    model = load(EngineConfig(model=str(path))).model
+    assert last_token.folds(model)  # a fresh rotating cache can be trimmed
+    for length, kept_at in ((12, 11), (40, None)):
+        kept: list = []
+        cache = make_prompt_cache(model)
+        prefill_alone(model, PROMPT[:length], cache, 0, 8, keep_prefix=kept.append, fold=True)
+        assert [c.offset for c in kept[0]][:1] == [kept_at] if kept_at else kept == []
+        job = PrefillJob(PROMPT[:length], make_prompt_cache(model), keep_prefix=True)
+        mx.eval(model(mx.array([PROMPT[:length]]), cache=job.cache))
+        job.prefix_state = [None] * len(job.cache)
+        for index in range(len(job.cache)):
+            if job.prefix_state is not None:
+                layer_major._snapshot(job, index, trim=1)
+        assert (job.prefix_state is None) == (kept_at is None)
+        if kept_at:
+            assert {c.offset for c in job.prefix_state} == {kept_at}

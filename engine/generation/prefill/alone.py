@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import trim_prompt_cache
+from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
 from flashserve.engine.compute import prompt_matmul
 from flashserve.engine.generation.logprobs import TopLogprobs, next_token_logprobs
@@ -91,8 +91,9 @@ def prefill_alone(
     if fold:
         if keep_prefix is not None and end - 1 > start:
             state = copy.deepcopy(cache)
-            trim_prompt_cache(state, 1)
-            keep_prefix(state)
+            # A sliding window that filled cannot be cut back: nothing exact to keep.
+            if can_trim_prompt_cache(state) and trim_prompt_cache(state, 1) == 1:
+                keep_prefix(state)
         return logits[0, -1]
     if keep_prefix is not None and end > start:
         keep_prefix(copy.deepcopy(cache))

@@ -49,6 +49,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from greenlet import greenlet
+from mlx_lm.models.cache import can_trim_prompt_cache
 
 from flashserve.engine.compute import heap, prompt_matmul
 from flashserve.engine.experts.prefill import hold_room, release_room
@@ -381,6 +382,9 @@ def _snapshot(job: PrefillJob, index: int, trim: int = 0) -> None:
     if index < len(job.cache):
         state = copy.deepcopy(job.cache[index])
         if trim:
+            if not can_trim_prompt_cache([state]):
+                job.prefix_state = None  # a sliding window that filled: nothing exact to keep
+                return
             state.trim(trim)
         mx.eval(_state([state], 0))
         job.prefix_state[index] = state
