@@ -189,3 +189,19 @@ def test_a_filled_sliding_window_keeps_no_prompt_end_state(tmp_path: Path):
         assert (job.prefix_state is None) == (kept_at is None)
         if kept_at:
             assert {c.offset for c in job.prefix_state} == {kept_at}
+
+
+def test_a_prompt_gets_the_same_first_token_in_chunks_of_any_size(q4_dir: Path):
+    """Chunks of 4 tokens before the tail (which would take the decode attention
+    outside prompt_rows) give the logprobs of one 40-token tail."""
+    model = load(EngineConfig(model=str(q4_dir))).model
+
+    def first(step: int) -> list:
+        batch = BatchGenerator(model, prefill_step_size=step)
+        last_token.install(batch)
+        batch.insert_segments([last_token.segments(PROMPT[:40], step)], [1])
+        while not (responses := batch.next()[1]):
+            pass
+        return responses[0].logprobs.tolist()
+
+    assert first(4) == first(64)

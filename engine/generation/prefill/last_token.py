@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import mlx.core as mx
@@ -193,6 +193,12 @@ class FoldingPrompts(PromptProcessingBatch):
     logits processors and the tokens kept are mlx-lm's own. Sequences that
     move without a Tail (a first token sampled outside the batch) go mlx-lm's way.
     """
+
+    def prompt(self, tokens: list[list[int]]) -> None:
+        # A prompt's full chunks before its tail, as prompt rows too where the model
+        # folds (a chunk of up to 8 tokens would otherwise take the decode attention).
+        with prompt_matmul.prompt_rows() if folds(self.model) else nullcontext():
+            super().prompt(tokens)
 
     def generate(self, tokens: list[list[Any]]) -> GenerationBatch:
         tails = [t[0] if len(t) == 1 and isinstance(t[0], Tail) else None for t in tokens]
