@@ -37,7 +37,6 @@ step's there, a few float32 roundings apart.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from typing import Any
@@ -53,12 +52,10 @@ from flashserve.engine.speculative import mlx_lm_internals as internals
 from flashserve.engine.weights.layout import layer_list
 from flashserve.engine.weights.model import compute_dtype
 
-log = logging.getLogger(__name__)
-
 
 def folds(model: Any) -> bool:
     """Whether `model`'s prompts run their last token in their last chunk (see above)."""
-    model = model.model if isinstance(model, CompiledDecode) else model
+    model = _unwrapped(model)
     if mx.default_device() != mx.cpu or not step_ops.active() or compute_dtype() != mx.float32:
         return False
     parts = model.__dict__.get("_flashserve_fold_parts")
@@ -66,6 +63,11 @@ def folds(model: Any) -> bool:
         parts = _FoldParts(model)
         model.__dict__["_flashserve_fold_parts"] = parts  # beside the parameters, not in them
     return parts.possible and all(prompt_matmul.integer_weights(m) for m in parts.linears)
+
+
+def _unwrapped(model: Any) -> Any:
+    """The model itself, where BatchGenerator holds its compiled-decode wrapper."""
+    return model.model if isinstance(model, CompiledDecode) else model
 
 
 def engine_folds(loaded: Any, mirror: Any) -> bool:
@@ -140,7 +142,7 @@ class _LastRows:
 def last_rows(model: Any, rows: list[int]) -> Iterator[_LastRows]:
     """Within the block, the model's forward goes past its last decoder layer with the
     rows `rows` (one per sequence) only; `.sliced` says whether it could."""
-    model = model.model if isinstance(model, CompiledDecode) else model
+    model = _unwrapped(model)
     layers = layer_list(model)
     assert layers, "folds() checked the layer list"
     gate = _LastRows(layers[-1], rows)
