@@ -80,6 +80,9 @@ class FlashServer:
         cmd = [sys.executable, "-m", "flashserve.server.cli", "serve", "--model", str(gguf)]
         cmd += ["--host", "127.0.0.1", "--port", str(self.port), "--data-dir", str(work / "data")]
         cmd += ["--prompt-cache-dir", str(work / "prompt-cache"), *args]
+        # No keepalive events: a prefill longer than stream_keepalive (5 s) would
+        # send an empty text chunk, which `stream` takes for the first token.
+        cmd += ["--stream-keepalive", "0"]
         env = {k: v for k, v in os.environ.items() if not k.startswith("FLASHSERVE_")}
         self._log = open(work / "serve.log", "wb")  # noqa: SIM115 - open while it runs
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
