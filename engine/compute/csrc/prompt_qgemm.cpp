@@ -233,6 +233,64 @@ __attribute__((target("avx2,f16c"))) void fill_scales(const char* base, int64_t 
   }
 }
 
+// Sixteen of a row's scales (groups g..g+15) as float32, as scale_at converts them.
+__attribute__((target("avx512f,avx512bw,f16c"))) inline __m512 sixteen_at(
+    const char* row, int g, flashserve_qmm::ScaleType st) {
+  if (st == flashserve_qmm::ScaleType::f32) {
+    return _mm512_loadu_ps(reinterpret_cast<const float*>(row) + g);
+  }
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+      reinterpret_cast<const uint16_t*>(row) + g));
+  if (st == flashserve_qmm::ScaleType::f16) return _mm512_cvtph_ps(h);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// fill_scales in blocks of 16 columns x 16 groups where the CPU has AVX-512
+// (`width` a multiple of 16): half the instructions per value of the 8 x 8
+// blocks, which were 5.6% of a 57-token prompt's time on the 1.2B model (every
+// scale is converted once per call, whatever the rows).
+__attribute__((target("avx512f,avx512bw,f16c"))) void fill_scales16(
+    const char* base, int64_t stride, flashserve_qmm::ScaleType st, int n0, int N, int width,
+    int groups, float* out) {
+  const int64_t item = st == flashserve_qmm::ScaleType::f32 ? 4 : 2;
+  for (int c0 = 0; c0 < width; c0 += 16) {
+    const char* rows[16];
+    for (int j = 0; j < 16; ++j) rows[j] = base + int64_t(std::min(n0 + c0 + j, N - 1)) * stride * item;
+    int g = 0;
+    for (; g + 16 <= groups; g += 16) {
+      __m512 r[16], t[16], u[16];
+      for (int j = 0; j < 16; ++j) {
+        __builtin_prefetch(rows[j] + (g + 64) * item);  // four lines on: 16 streams from memory
+        r[j] = sixteen_at(rows[j], g, st);  // column j
+      }
+      for (int j = 0; j < 16; j += 2) {
+        t[j] = _mm512_unpacklo_ps(r[j], r[j + 1]);
+        t[j + 1] = _mm512_unpackhi_ps(r[j], r[j + 1]);
+      }
+      for (int j = 0; j < 16; j += 4) {  // u[j + m]: in 128-bit lane l, group 4l + m of 4 columns
+        u[j] = _mm512_shuffle_ps(t[j], t[j + 2], 0x44);
+        u[j + 1] = _mm512_shuffle_ps(t[j], t[j + 2], 0xEE);
+        u[j + 2] = _mm512_shuffle_ps(t[j + 1], t[j + 3], 0x44);
+        u[j + 3] = _mm512_shuffle_ps(t[j + 1], t[j + 3], 0xEE);
+      }
+      for (int m = 0; m < 4; ++m) {
+        const __m512 v0 = _mm512_shuffle_f32x4(u[m], u[4 + m], 0x44);
+        const __m512 v1 = _mm512_shuffle_f32x4(u[m], u[4 + m], 0xEE);
+        const __m512 w0 = _mm512_shuffle_f32x4(u[8 + m], u[12 + m], 0x44);
+        const __m512 w1 = _mm512_shuffle_f32x4(u[8 + m], u[12 + m], 0xEE);
+        float* o = out + int64_t(g + m) * width + c0;
+        _mm512_storeu_ps(o, _mm512_shuffle_f32x4(v0, w0, 0x88));
+        _mm512_storeu_ps(o + 4 * width, _mm512_shuffle_f32x4(v0, w0, 0xDD));
+        _mm512_storeu_ps(o + 8 * width, _mm512_shuffle_f32x4(v1, w1, 0x88));
+        _mm512_storeu_ps(o + 12 * width, _mm512_shuffle_f32x4(v1, w1, 0xDD));
+      }
+    }
+    for (; g < groups; ++g) {
+      for (int j = 0; j < 16; ++j) out[int64_t(g) * width + c0 + j] = scale_at(rows[j], g, st);
+    }
+  }
+}
+
 // Tile `tile` of `p`: its columns' scales and biases as float32, then the kernel.
 void run_tile(const Problem& p, const Acts& a, int tile, Isa isa, int width) {
   const int groups = p.w.K / p.w.group_size;
@@ -240,9 +298,9 @@ void run_tile(const Problem& p, const Acts& a, int tile, Isa isa, int width) {
   t_wbuf.resize(size_t(width) * CHUNK * 2);
   t_ybuf.resize(size_t(a.M) * width);
   float* s = t_sbuf.data();
-  fill_scales(p.scales, p.s_stride, p.st, tile * width, p.w.N, width, groups, s);
-  fill_scales(p.biases, p.s_stride, p.st, tile * width, p.w.N, width, groups,
-              s + int64_t(groups) * width);
+  const auto fill = isa == Isa::avx512vnni && width % 16 == 0 ? fill_scales16 : fill_scales;
+  fill(p.scales, p.s_stride, p.st, tile * width, p.w.N, width, groups, s);
+  fill(p.biases, p.s_stride, p.st, tile * width, p.w.N, width, groups, s + int64_t(groups) * width);
   const TileFn fn = isa == Isa::avx512vnni ? tile_avx512vnni
                     : isa == Isa::avxvnni  ? tile_avxvnni
                                            : tile_avx2;
