@@ -29,6 +29,7 @@ from flashserve.engine.generation.requests import (
 )
 from flashserve.engine.generation.worker import Engine
 from flashserve.engine.loader import load
+from flashserve.engine.weights.prepare import prepare
 from flashserve.engine.weights.synthetic import make_model_dir
 
 from .test_prompt_cache import NO_EOS_BIAS
@@ -205,3 +206,43 @@ def test_a_prompt_gets_the_same_first_token_in_chunks_of_any_size(q4_dir: Path):
         return responses[0].logprobs.tolist()
 
     assert first(4) == first(64)
+
+
+def test_a_streamed_prompt_gets_the_resident_first_token(
+    q4_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """The layer-major prefill (every layer streamed from disk) folds too, its last
+    layer's output projection and MLP on the last row only: the first tokens,
+    logprobs and top logprobs of the resident model's batch prefill, exactly."""
+    prepared = prepare(str(q4_dir), tmp_path / "prepared")
+    cut: list[int] = []
+    real = layer_major.past_attention_rows
+
+    def spy(layer, rows, width):
+        cut.append(width)
+        return real(layer, rows, width)
+
+    monkeypatch.setattr(layer_major, "past_attention_rows", spy)
+    results = []
+    for knobs in ({}, {"resident_layers": 0}):
+        engine = Engine(
+            EngineConfig(model=str(prepared), prompt_cache_bytes=0, prefill_step_size=64, **knobs)
+        )
+        engine.start()
+        assert engine.wait_ready(120), engine.load_error
+        try:
+            results.append(_run(engine, PROMPT)[0])
+        finally:
+            engine.shutdown()
+    assert cut == [300 - 256]  # the streamed run's last chunk, through the last layer
+    assert results[1] == results[0]
+    # Both against the whole chunk's last row, every row through every layer.
+    model = load(EngineConfig(model=str(prepared))).model
+    with prompt_matmul.prompt_rows():
+        whole = model(mx.array([PROMPT[256:]]), cache=_prefilled(model, PROMPT[:256]))[0, -1]
+    for token, bias in NO_EOS_BIAS.items():  # as the requests ask
+        whole[token] += bias
+    logprobs = whole - mx.logsumexp(whole)
+    token, logprob, _ = results[1][0]
+    assert token == mx.argmax(whole).item()
+    assert logprob == pytest.approx(logprobs[token].item(), abs=1e-5)

@@ -53,6 +53,7 @@ from mlx_lm.models.cache import can_trim_prompt_cache
 
 from flashserve.engine.compute import heap, prompt_matmul
 from flashserve.engine.experts.prefill import hold_room, release_room
+from flashserve.engine.generation.prefill.last_token import past_attention_rows
 from flashserve.engine.vision.prompt import real_tokens
 from flashserve.engine.weights.layout import layer_list
 from flashserve.engine.weights.model import compute_dtype
@@ -351,10 +352,16 @@ class _Gate:
         kwargs = {k: chunk.proxies.get(id(v), v) for k, v in kwargs.items()}
         # Folding, a layer's rows are prompt rows whatever the chunk's size (a dense
         # layer's call does not switch greenlets: the block is one chunk's).
-        with prompt_matmul.prompt_rows() if driver.fold else nullcontext():
+        tail = driver.fold and chunk.last and self.index == len(driver.layers) - 1
+        width = h.shape[1] if tail and isinstance(h, mx.array) and h.ndim == 3 else 0
+        with (
+            prompt_matmul.prompt_rows() if driver.fold else nullcontext(),
+            past_attention_rows(self.layer, [width - 1] * h.shape[0], width)
+            if width
+            else nullcontext(),
+        ):
             chunk.out = self.layer(h, *args, **kwargs)
         out = chunk.out
-        tail = driver.fold and chunk.last and self.index == len(driver.layers) - 1
         if tail and isinstance(out, mx.array) and out.ndim == 3:
             return out[:, -1:]  # only the last token's row goes on to the LM head
         return out
