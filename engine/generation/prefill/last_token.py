@@ -22,8 +22,9 @@ that one row; so does flashserve, where it changes no number:
   it), and every cache trimmable (the state after prompt[:-1], which the
   prompt cache keeps, is then the state after the prompt cut back by one).
   Elsewhere prompts run as mlx-lm runs them.
-* Only each sequence's last row goes on from the last decoder layer to the
-  final norm and the LM head (`last_rows`): a 151k-token head over a 36-token
+* Only each sequence's last row goes on past the last decoder layer's
+  attention (`last_rows`, `past_attention_rows`: its output projection and
+  MLP) to the final norm and the LM head: a 151k-token head over a 36-token
   tail would cost more than the step saved.
 
 Three prefills take it: the batch's (`FoldingPrompts`: mlx-lm's
