@@ -41,6 +41,13 @@ SOURCES = [
     "engine/compute/csrc/prompt_qgemm_avx2.cpp",
     "engine/compute/csrc/expert_ops.cpp",
 ]
+# The headers and the included tile bodies: build_ext compares these with the
+# built file as it does the sources, so an edit to one alone rebuilds it.
+DEPENDS = sorted(
+    str(p)
+    for p in (Path(__file__).resolve().parent / "engine/compute/csrc").iterdir()
+    if p.suffix in (".h", ".inc")
+)
 
 
 def _wanted() -> bool:
@@ -100,6 +107,7 @@ def _extensions() -> list[Extension]:
         Extension(
             "flashserve.engine.compute._qmm",
             sources=SOURCES,
+            depends=DEPENDS,
             language="c++",
             libraries=["mlx"],
             define_macros=[("NDEBUG", None), ("NB_COMPACT_ASSERTIONS", None), ("NB_DOMAIN", "mlx")],
