@@ -31,6 +31,7 @@ from flashserve.engine.experts.compute import EMPTY, OffloadLayer
 from flashserve.engine.experts.offload import ExpertOffload
 from flashserve.engine.experts.store import CachedExpert, ExpertStore, layouts_from_manifest
 from flashserve.engine.experts.trace import RoutingTrace
+from flashserve.engine.weights import derived
 from flashserve.engine.weights.model import ModelLoadError
 
 log = logging.getLogger(__name__)
@@ -179,7 +180,8 @@ def install_expert_offload(
         by_index = {entry["index"]: entry for entry in manifest["layers"]}
         for layer in order[1:]:
             block, block_path = blocks[layer]
-            weights = mx.load(str(root / by_index[layer]["file"]))
+            entry = by_index[layer]
+            weights = derived.fill(mx.load(str(root / entry["file"])), entry.get("derived"))
             infos[layer].router = _router_copy(
                 block, block_path, infos[layer].layout.num_experts, weights
             )

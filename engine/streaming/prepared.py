@@ -32,6 +32,7 @@ from flashserve.engine.streaming.residency import (
     plan_residency,
 )
 from flashserve.engine.streaming.streamer import EMPTY, LayerInfo, LayerStreamer, Slot
+from flashserve.engine.weights.derived import parse as parse_derived
 from flashserve.engine.weights.layout import (
     NON_LAYER_FILE,
     check_small_files,
@@ -68,6 +69,7 @@ def _layer_info(root: Path, entry: dict, module: nn.Module, prefix: str) -> Laye
     slots = _slots(module)
     experts = entry.get("experts") or {}
     switches = experts.get("switches", [])
+    derived = parse_derived(entry.get("derived"))
     lp = f"{prefix}{index}."
     have = {n[len(lp) :] for n in entry["tensors"]}
     for sw in switches:
@@ -93,6 +95,8 @@ def _layer_info(root: Path, entry: dict, module: nn.Module, prefix: str) -> Laye
         file_bytes=int(entry["bytes"]),
         crc32=entry.get("crc32"),
         experts_file_bytes=int(experts.get("bytes", 0)),
+        derived=derived[0],
+        derived_bytes=derived[1],
     )
 
 

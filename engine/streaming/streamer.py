@@ -49,6 +49,8 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from flashserve.engine.streaming.residency import ResidencyManager, ResidencyPlan, ShedEvent
+from flashserve.engine.weights import derived
+from flashserve.engine.weights.derived import Derived
 from flashserve.engine.weights.layout import align_up
 from flashserve.engine.weights.model import ModelLoadError
 from flashserve.engine.weights.reader import (
@@ -62,7 +64,6 @@ from flashserve.engine.weights.reader import (
     allocate,
     chunk_pieces,
     direct_base,
-    safetensors_views,
     shared_pool,
     view_as,
 )
@@ -121,7 +122,7 @@ class LayerInfo:
     index: int
     module: nn.Module
     file: Path
-    tensors: list[str]  # full names in the layer file
+    tensors: list[str]  # full names of its dense tensors (those rebuilt after a read too)
     experts_file: Path | None
     switches: list[dict]  # manifest switch layouts
     slots: list[Slot]
@@ -131,6 +132,8 @@ class LayerInfo:
     crc32: list[int] | None = None  # per checksum chunk; None: not verified (old manifest)
     experts_file_bytes: int = 0
     bytes_read: int = 0  # read from disk for this layer since start (the dashboard's strip)
+    derived: list[Derived] = field(default_factory=list)  # rebuilt after the file's bytes
+    derived_bytes: int = 0  # their region: ALIGN steps
 
 
 @dataclass
@@ -296,13 +299,14 @@ class LayerStreamer:
         """
         size = info.file_bytes
         direct = self.direct_reads
-        buffer, raw = self._buffer(size + (DIRECT_SLACK if direct else 0), fresh)
+        extra = derived.tail_bytes(size, info.derived_bytes)
+        buffer, raw = self._buffer(size + (DIRECT_SLACK if direct else 0) + extra, fresh)
         base = direct_base(raw) if direct else 0
         end = base + (-(-size // DIRECT_ALIGN) * DIRECT_ALIGN if direct else size)
         pieces = chunk_pieces(raw[base:end], info.crc32, self.chunk_bytes, size)
         dense = _Read(self._read(info.file, size, pieces, direct), buffer, raw, base)
         experts = None
-        nbytes = info.dense_bytes
+        nbytes = info.dense_bytes - sum(d.nbytes for d in info.derived)  # what is read
         if info.switches and self.experts_with_layers:
             experts = self._load_experts(info, fresh)
             nbytes += info.expert_bytes
@@ -343,7 +347,10 @@ class LayerStreamer:
         dense = pending.dense
         dense.job.wait(self.io_timeout)
         weights = {}
-        for name, arr in safetensors_views(dense.buffer, dense.raw, info.file, dense.base).items():
+        views = derived.layer_views(
+            dense.buffer, dense.raw, dense.base, info.file, info.file_bytes, info.derived
+        )
+        for name, arr in views.items():
             if not name.startswith(lp):
                 raise WeightFileError(f"{info.file}: tensor {name} is not of layer {info.index}")
             weights[name[len(lp) :]] = arr
@@ -353,15 +360,10 @@ class LayerStreamer:
             for path, (base, nbytes, sw) in _expert_regions(info.switches).items():
                 spec = sw["tensors"][path[len(sw["path"]) + 1 :]]
                 dtype = getattr(mx, spec["dtype"])
-                count = sw["num_experts"]
-                weights[path[len(lp) :]] = view_as(
-                    read.buffer,
-                    read.raw,
-                    base,
-                    base + count * nbytes,
-                    dtype,
-                    [count, *spec["shape"]],
-                )
+                n = sw["num_experts"]
+                shape = [n, *spec["shape"]]
+                view = view_as(read.buffer, read.raw, base, base + n * nbytes, dtype, shape)
+                weights[path[len(lp) :]] = view
         return weights
 
     def _buffer(self, size: int, fresh: bool) -> tuple[mx.array, np.ndarray]:

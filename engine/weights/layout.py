@@ -13,7 +13,7 @@ header, data). We write the files ourselves rather than with
 `mx.save_safetensors` because its tensor order is not the name order, and the
 expert files need a known order: expert e's tensors form one byte range.
 
-Alignment (format_version 2): every tensor's data, and every expert record,
+Alignment (format_version 2 and up): every tensor's data, and every expert record,
 starts at a multiple of ALIGN (256) bytes in its file, and a record's tensors
 at multiples of ALIGN within it. The file is read whole (or a record alone)
 into one MLX buffer, so every tensor is a zero-copy view at an aligned offset
@@ -22,7 +22,7 @@ on every backend. Gaps are filled by uint8 padding tensors named
 (element-size alignment only) are refused with the command that re-prepares
 them: MLX's CUDA matmuls fail on views at such offsets.
 
-manifest.json (format_version 2):
+manifest.json (format_version 3; 2 is read too, and has no "derived"):
 
     format, format_version, created, model_type, num_layers,
     layers_prefix            "model.layers." (parameter prefix of decoder layers)
@@ -35,6 +35,9 @@ manifest.json (format_version 2):
                               "crc32": [zlib.crc32 of each C-byte chunk of the file]}
     layers[i]                {"index", "file", "bytes", "tensor_bytes", "tensors": [names],
                               "crc32": [per C-byte chunk, as for non_layer],
+                              "derived": [{"name", "from", "times", "nbytes"}]: tensors
+                                 not in the file, `from` * `times` (weights/derived.py);
+                                 "tensors" and "tensor_bytes" count them,
                               "moe": bool, "experts": null | {
                                  "file", "bytes", "tensor_bytes",
                                  "switches": [{
@@ -82,7 +85,10 @@ from flashserve.engine.weights.model import ModelLoadError
 log = logging.getLogger(__name__)
 
 FORMAT = "flashserve-prepared"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+# Versions this flashserve reads: 2 wrote every biases tensor (3 may leave out
+# those the scales give: weights/derived.py).
+READABLE_VERSIONS = (2, 3)
 # Every tensor and every expert record starts at a multiple of this many bytes.
 # 256 is cudaMalloc's alignment, the most any MLX kernel (CUDA: cuBLASLt's
 # vectorized loads; Metal) assumes of a buffer, and it costs under 256 bytes a
@@ -184,10 +190,10 @@ def read_manifest(path: Path) -> dict:
     if manifest.get("format") != FORMAT:
         raise ModelLoadError(f"{file}: not a flashserve manifest")
     version = manifest.get("format_version")
-    if version != FORMAT_VERSION:
+    if version not in READABLE_VERSIONS:
         why = (
             "its tensors are not aligned for GPU backends"
-            if isinstance(version, int) and version < FORMAT_VERSION
+            if isinstance(version, int) and version < min(READABLE_VERSIONS)
             else "written by a newer flashserve"
         )
         raise ModelLoadError(

@@ -26,6 +26,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_map
 
+from flashserve.engine.weights import derived
 from flashserve.engine.weights.checksum import crc32
 from flashserve.engine.weights.layout import (
     ALIGN,
@@ -346,22 +347,48 @@ def _write_layer(out: Path, index: int, prefix: str, layer: nn.Module) -> dict[s
             params.pop(f"{sp}.{name}")
     mx.eval(list(params.values()), [a for s in expert_params.values() for _, a in s])
 
-    dense = [(lp + name, Tensor.of(params[name])) for name in sorted(params)]
+    left_out = _derived_biases(layer, params)
+    dense = [
+        (lp + name, Tensor.of(params[name])) for name in sorted(params) if name not in left_out
+    ]
     path = out / layer_file(index)
     write_safetensors(path, dense)
     entry: dict[str, Any] = {
         "index": index,
         "file": layer_file(index),
         "bytes": path.stat().st_size,
-        "tensor_bytes": _tensor_bytes(dense),
-        "tensors": [n for n, _ in dense],
+        "tensor_bytes": _tensor_bytes(dense) + sum(params[n].nbytes for n in left_out),
+        "tensors": [lp + name for name in sorted(params)],
         "crc32": file_crcs(path, CHUNK_BYTES),
         "moe": bool(switches),
         "experts": None,
     }
+    if left_out:
+        entry["derived"] = [
+            {"name": lp + n, "from": lp + src, "times": times, "nbytes": params[n].nbytes}
+            for n, (src, times) in sorted(left_out.items())
+        ]
     if switches:
         entry["experts"] = _write_experts(out, index, lp, switches, expert_params)
     return entry
+
+
+def _derived_biases(layer: nn.Module, params: dict[str, mx.array]) -> dict[str, tuple[str, int]]:
+    """The affine biases of `layer`'s dense quantized linears that their scales give
+    bit for bit (weights/derived.py): {biases name: (scales name, times)}."""
+    out = {}
+    for name, module in layer.named_modules():
+        if getattr(module, "mode", "affine") != "affine" or not hasattr(module, "bits"):
+            continue
+        scales, biases = (
+            f"{name}.scales" if name else "scales",
+            f"{name}.biases" if name else "biases",
+        )
+        if scales in params and biases in params:
+            times = derived.derivable(params[scales], params[biases], int(module.bits))
+            if times is not None:
+                out[biases] = (scales, times)
+    return out
 
 
 def _write_experts(

@@ -448,6 +448,24 @@ def safetensors_views(
 ) -> dict[str, mx.array]:
     """The tensors of a safetensors file held whole in `buffer` from byte `base`, as
     views of it."""
+    return views_of(buffer, raw, safetensors_entries(raw, path, base))
+
+
+def views_of(
+    buffer: mx.array, raw: np.ndarray, entries: dict[str, tuple[mx.Dtype, int, int, list[int]]]
+) -> dict[str, mx.array]:
+    """safetensors_entries' tensors as views of `buffer`."""
+    return {
+        name: view_as(buffer, raw, a, b, dtype, shape)
+        for name, (dtype, a, b, shape) in entries.items()
+    }
+
+
+def safetensors_entries(
+    raw: np.ndarray, path: Path, base: int = 0
+) -> dict[str, tuple[mx.Dtype, int, int, list[int]]]:
+    """The tensors of a safetensors file held whole in `raw` from byte `base`:
+    {name: (dtype, start, end, shape)}, offsets into `raw`."""
     try:
         (n,) = struct.unpack("<Q", raw[base : base + 8].tobytes())
         header = json.loads(raw[base + 8 : base + 8 + n].tobytes())
@@ -463,7 +481,7 @@ def safetensors_views(
         shape = [int(d) for d in spec["shape"]]
         if dtype is None or b > raw.size or b - a != int(np.prod(shape)) * dtype.size:
             raise WeightFileError(f"{path}: bad header entry for {name}")
-        out[name] = view_as(buffer, raw, a, b, dtype, shape)
+        out[name] = (dtype, a, b, shape)
     return out
 
 
