@@ -116,8 +116,13 @@ def test_layers_that_do_not_all_fit_take_the_memory_tier_first() -> None:
     plan, kept = _plan(available=1100 * MB)
     assert 0 < plan.resident_layers < 24
     assert kept.prompt_cache_bytes == 0 and not kept.prefix_states
-    assert kept.prefetch_depth == 2 and kept.chunk == 512  # not given up: it fit
+    assert kept.chunk == 512  # not given up: it fit
     assert any("memory tier" not in r and "disk tier only" in r for r in plan.reasons)
+    # A second layer read ahead would hold a layer's bytes: one layer ahead, one
+    # more resident layer than with the configured depth 2.
+    assert kept.prefetch_depth == 1 and plan.prefetch_depth == 1
+    assert any(r.startswith("layers do not all fit: prefetch depth 1") for r in plan.reasons)
+    assert plan.stream_buffer_bytes == 2 * 30 * MB
     assert _planned(plan) <= plan.limit_bytes
     # Without a disk tier the memory tier is the only prompt cache: it stays.
     memory_only, kept = _plan(available=1100 * MB, disk_tier=False)

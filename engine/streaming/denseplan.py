@@ -26,10 +26,11 @@ limit and sets aside everything serving needs before it keeps a layer:
 What is left holds resident layers, first to last. When layers do not all
 fit and the prompt cache has its disk tier, the memory tier goes first: a
 resident layer saves its bytes on every token, the memory tier a read of a
-state from disk once a turn. When even every layer streamed does not fit,
-the plan gives up, in this order and logging each step: the prompt cache's
-memory tier, prefetch depth, the float copies kept for a whole layer, the
-prefill chunk (down to MIN_CHUNK), and the planned context (down to
+state from disk once a turn; then the KV cache's precision (`plan_kv_bits`),
+then prefetch depth past one layer ahead (STREAMED_DEPTH). When even every
+layer streamed does not fit, the plan gives up, in this order and logging
+each step: the prompt cache's memory tier, prefetch depth, the float copies
+kept for a whole layer, the prefill chunk (down to MIN_CHUNK), and the planned context (down to
 MIN_CONTEXT); then it refuses to start, with the numbers.
 
 Whatever the resident layers leave (less than a layer) widens the context:
@@ -57,6 +58,11 @@ from flashserve.engine.streaming.residency import MODES, PlanInputs, fmt_bytes
 from flashserve.engine.weights.model import ModelLoadError
 
 log = logging.getLogger(__name__)
+
+# The prefetch depth where layers stream: the next layer's read is queued before
+# the wait for this one, so the disk always has a layer's reads in flight, and a
+# second layer ahead measured no faster (issue 54) while holding a layer's bytes.
+STREAMED_DEPTH = 1
 
 MB = 1024 * 1024
 # The Python heap's growth while serving (request, tokenizer and HTTP objects):
@@ -251,6 +257,14 @@ def plan_dense(
         count = most()
     if count < n and resident_layers is None and (change := quantize_kv(s, disk_tier)):
         reasons.append(f"layers do not all fit: {change}")
+        count = most()
+    if count < n and resident_layers is None and s.prefetch_depth > STREAMED_DEPTH:
+        s.prefetch_depth = STREAMED_DEPTH
+        reasons.append(
+            f"layers do not all fit: prefetch depth {STREAMED_DEPTH} (a layer read ahead "
+            "holds a layer's bytes, which a resident layer saves on every token; one read "
+            "ahead keeps the disk busy while a layer computes)"
+        )
         count = most()
     r = reserves(count < n)
     layers = sum(shape.layer_bytes[:count])

@@ -8,8 +8,9 @@ runtime's reserve is a margin. That room is lent, never past the memory the
 system reports available (less what the plan keeps free for the libraries'
 code):
 
-* first to prefetch depth, up to the configured depth, where the plan gave
-  some up (a layer's read in flight while another computes);
+* first to prefetch depth, up to one layer ahead (or the configured depth, if
+  less), where the plan gave it up (a layer's read in flight while another
+  computes);
 * then to streamed layers: one that has just run keeps its weights (no read
   of its own: LayerStreamer `lend_room`), until the loan is full;
 * and where the loan and the streaming buffers together hold every streamed
@@ -32,6 +33,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from typing import Any
+
+from flashserve.engine.streaming.denseplan import STREAMED_DEPTH
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +72,9 @@ class Lending:
             prefill_bytes=plan.prefill_reserve_bytes,
             kv_bytes_per_token=kv_bytes_per_token,
             planned_depth=int(plan.prefetch_depth or 0),
-            max_depth=max(int(depth), int(plan.prefetch_depth or 0)),
+            # No deeper than one layer ahead: a deeper read holds a layer a loan
+            # could keep instead (denseplan.STREAMED_DEPTH).
+            max_depth=max(min(int(depth), STREAMED_DEPTH), int(plan.prefetch_depth or 0)),
             keep_free=plan.file_reserve_bytes,
             buffer_bytes=plan.stream_buffer_bytes,
         )
