@@ -145,3 +145,22 @@ def test_a_streamed_model_rebuilds_them_and_gives_the_resident_tokens(
         assert read_bytes < e["tensor_bytes"]
         if e["index"] in streamer.streamed_layers:
             assert info.bytes_read > 0 and info.bytes_read % read_bytes == 0, e["index"]
+
+
+def test_a_version_2_directory_still_loads_and_says_how_to_shrink_it(
+    symmetric_gguf, tmp_path, monkeypatch, caplog
+):
+    # What an older flashserve wrote: every bias in the files, format_version 2.
+    path, _ = symmetric_gguf
+    with monkeypatch.context() as patch:
+        patch.setattr(derived, "derivable", lambda *args: None)
+        out = prepare(str(path), tmp_path / "v2")
+    manifest = json.loads((out / MANIFEST_NAME).read_text())
+    assert not any(e.get("derived") for e in manifest["layers"])
+    manifest["format_version"] = 2
+    (out / MANIFEST_NAME).write_text(json.dumps(manifest))
+    resident, tokenizer, _ = load_gguf(path)
+    with caplog.at_level("INFO", logger="flashserve.engine.streaming.prepared"):
+        streamed = load(EngineConfig(model=str(out), residency="fixed", resident_layers=1))
+    assert "layout version 2" in caplog.text and "--force" in caplog.text
+    assert _greedy(streamed.model, tokenizer) == _greedy(resident, tokenizer)
