@@ -24,6 +24,7 @@ from flashserve.engine.weights import derived
 from flashserve.engine.weights.gguf.model import load_gguf
 from flashserve.engine.weights.layout import MANIFEST_NAME, read_safetensors_header
 from flashserve.engine.weights.prepare import prepare
+from flashserve.engine.weights.reader import WeightFileError
 from flashserve.engine.weights.synthetic import make_model_dir
 
 from .gguf_writer import export_gguf
@@ -164,3 +165,14 @@ def test_a_version_2_directory_still_loads_and_says_how_to_shrink_it(
         streamed = load(EngineConfig(model=str(out), residency="fixed", resident_layers=1))
     assert "layout version 2" in caplog.text and "--force" in caplog.text
     assert _greedy(streamed.model, tokenizer) == _greedy(resident, tokenizer)
+
+
+def test_a_manifest_that_misnames_a_source_is_refused_naming_it(symmetric_gguf, tmp_path):
+    path, _ = symmetric_gguf
+    out = prepare(str(path), tmp_path / "prepared")
+    manifest = json.loads((out / MANIFEST_NAME).read_text())
+    first = manifest["layers"][0]["derived"][0]
+    first["from"] = first["from"].replace("scales", "weight")  # another size
+    (out / MANIFEST_NAME).write_text(json.dumps(manifest))
+    with pytest.raises(WeightFileError, match=first["name"]):
+        load(EngineConfig(model=str(out)))

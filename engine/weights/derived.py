@@ -148,9 +148,9 @@ def views(
     tensors, reader.safetensors_entries), rebuilt from byte `tail` of it on."""
     out = {}
     for d in derived:
-        if d.source not in entries or entries[d.source][2] - entries[d.source][1] != d.nbytes:
+        dtype, a, b, shape = entries.get(d.source, (None, 0, -1, []))
+        if b - a != d.nbytes:
             raise WeightFileError(f"{d.name}: its source {d.source} is not in the file as listed")
-        dtype, a, b, shape = entries[d.source]
         start = tail + d.offset
         if start + d.nbytes > raw.size:
             raise WeightFileError(f"{d.name}: no room for it after the file's bytes")

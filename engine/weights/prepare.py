@@ -380,10 +380,7 @@ def _derived_biases(layer: nn.Module, params: dict[str, mx.array]) -> dict[str, 
     for name, module in layer.named_modules():
         if getattr(module, "mode", "affine") != "affine" or not hasattr(module, "bits"):
             continue
-        scales, biases = (
-            f"{name}.scales" if name else "scales",
-            f"{name}.biases" if name else "biases",
-        )
+        scales, biases = f"{name}.scales", f"{name}.biases"  # a linear inside the layer
         if scales in params and biases in params:
             times = derived.derivable(params[scales], params[biases], int(module.bits))
             if times is not None:
