@@ -32,6 +32,11 @@ def load(config: EngineConfig) -> LoadedModel:
         device.select(config.device)  # type: ignore[arg-type]
     except device.DeviceError as exc:
         raise ModelLoadError(str(exc)) from None
+    try:  # before loading: a prepared model's layers follow the kernel (streaming/prepared.py)
+        qmm.select(config.quantized_matmul)
+        qmm.set_decode_matmul(config.decode_matmul)
+    except qmm.QmmError as exc:
+        raise ModelLoadError(str(exc)) from None
     target = resolve(config.model)
     prepared = is_prepared(target)
     if config.expert_cache and not prepared:
@@ -70,11 +75,6 @@ def load(config: EngineConfig) -> LoadedModel:
         log.debug("%d quantized linears run prompts as dequantize + BLAS matmul", changed)
     # After use_blas_for_prompts: the fast classes wrap the prompt class, so
     # prompt chunks still go to the BLAS and only the rest comes here.
-    try:
-        qmm.select(config.quantized_matmul)
-        qmm.set_decode_matmul(config.decode_matmul)
-    except qmm.QmmError as exc:
-        raise ModelLoadError(str(exc)) from None
     step_ops.install()  # norms, RoPE, attention, SwiGLU, log-sum-exp: one CPU op each
     changed = qmm.use_fast_qmm(loaded.model)
     if loaded.experts is not None:

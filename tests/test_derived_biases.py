@@ -18,6 +18,7 @@ from gguf import GGMLQuantizationType as T
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 
+from flashserve.engine.compute import qmm
 from flashserve.engine.config import EngineConfig
 from flashserve.engine.loader import load
 from flashserve.engine.weights import derived
@@ -117,8 +118,12 @@ def test_symmetric_quants_leave_their_biases_out_and_load_bit_for_bit(symmetric_
     loaded = load(EngineConfig(model=str(out)))  # every layer through the reader
     got = dict(tree_flatten(loaded.model.parameters()))
     assert set(got) == set(want)
+    times = {d["name"]: d["times"] for e in manifest["layers"] for d in e["derived"]}
     for name in want:
         a, b = got[name], want[name]
+        if name in times:  # held as the multiple of the scales it is (the fast kernel's)
+            assert a.ndim == 0 and a.item() == times[name], name
+            a = qmm.full_biases(got[name.replace(".biases", ".scales")], a)
         assert a.dtype == b.dtype and a.shape == b.shape, name
         assert mx.array_equal(a, b).item(), name
     assert any("biases" in n for n in left_out)
@@ -175,4 +180,18 @@ def test_a_manifest_that_misnames_a_source_is_refused_naming_it(symmetric_gguf, 
     first["from"] = first["from"].replace("scales", "weight")  # another size
     (out / MANIFEST_NAME).write_text(json.dumps(manifest))
     with pytest.raises(WeightFileError, match=first["name"]):
+        load(EngineConfig(model=str(out)))
+
+
+def test_a_manifest_that_names_other_scales_is_refused_naming_it(symmetric_gguf, tmp_path):
+    # The same size, another linear's scales: the fast kernel reads a linear's own
+    # scales for its biases (compute/qmm.py scaled_biases), so the manifest must name them.
+    path, _ = symmetric_gguf
+    out = prepare(str(path), tmp_path / "prepared")
+    manifest = json.loads((out / MANIFEST_NAME).read_text())
+    entries = {d["name"]: d for d in manifest["layers"][0]["derived"]}
+    up = entries["model.layers.0.mlp.up_proj.biases"]
+    up["from"] = "model.layers.0.mlp.gate_proj.scales"  # gate's are the same shape
+    (out / MANIFEST_NAME).write_text(json.dumps(manifest))
+    with pytest.raises(WeightFileError, match=r"up_proj\.biases: its source .* is not its scales"):
         load(EngineConfig(model=str(out)))

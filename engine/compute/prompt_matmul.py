@@ -365,10 +365,14 @@ class PromptQuantizedLinear(nn.QuantizedLinear):
             else:
                 # In x's dtype: dequantize computes in the scales' dtype, and a GGUF's
                 # float16 scales (compute/half_scales.py) would round every weight.
+                part_scales = scales[part].astype(x.dtype)
+                part_biases = None
+                if biases is not None:  # a 0-d one stands for a multiple of the scales
+                    part_biases = (biases if biases.ndim == 0 else biases[part]).astype(x.dtype)
                 dense = _dequantize(
                     weight[part],
-                    scales[part].astype(x.dtype),
-                    None if biases is None else biases[part].astype(x.dtype),
+                    part_scales,
+                    qmm.full_biases(part_scales, part_biases),
                     self.group_size,
                     self.bits,
                     self.mode,

@@ -249,6 +249,43 @@ def quantized_matmul(
     return _state.module.gather_qmm(x, w, scales, biases, rows_expert, group_size, bits)
 
 
+_TIMES: dict[float, mx.array] = {}
+
+
+def scaled_biases(times: int) -> mx.array:
+    """The biases array that stands for `times` x the scales (a 0-d float32 array): what a
+    symmetric quant's linears hold instead of biases (weights/derived.py). Only the fast
+    kernel takes it (`takes_scaled_biases`); `full_biases` makes the real ones."""
+    key = float(times)
+    if key not in _TIMES:
+        _TIMES[key] = mx.array(key, dtype=mx.float32)
+        mx.eval(_TIMES[key])  # concrete: no thread evaluates it later
+    return _TIMES[key]
+
+
+def full_biases(scales: mx.array, biases: mx.array | None) -> mx.array | None:
+    """`biases` as an array of the scales' shape: a `scaled_biases` array made into the
+    biases it stands for (times a power of two: each product exact), others as they are."""
+    if biases is None or biases.ndim != 0:
+        return biases
+    return scales * biases.astype(scales.dtype)
+
+
+def takes_scaled_biases(module: Any) -> bool:
+    """Whether `module` may hold `scaled_biases` instead of its biases: a quantized linear
+    the fast kernel takes, in a process where it runs (select() chose it) and the built
+    kernel reads such biases. Its other paths (MLX's kernel, the prompt BLAS) make the
+    biases where they use them (`full_biases`)."""
+    ext = _state.module
+    return (
+        _state.chosen == "fast"
+        and ext is not None
+        and bool(getattr(ext, "biases_of_scales", False))
+        and isinstance(module, nn.QuantizedLinear)
+        and _eligible(module)
+    )
+
+
 def _eligible(module: Any) -> bool:
     """Static checks: affine mode, a bit width, group size and scale dtype the kernel takes."""
     scales = module.get("scales") if isinstance(module, dict) else None
@@ -309,7 +346,19 @@ class FastQuantizedLinear(nn.QuantizedLinear):
 
     def __call__(self, x: mx.array) -> mx.array:
         if not (_state.active and x.dtype == mx.float32):
-            return super().__call__(x)
+            if self["biases"].ndim != 0:
+                return super().__call__(x)
+            y = mx.quantized_matmul(  # MLX's kernel with the biases `scaled_biases` stands for
+                x,
+                self["weight"],
+                scales=self["scales"],
+                biases=full_biases(self["scales"], self["biases"]),
+                transpose=True,
+                group_size=self.group_size,
+                bits=self.bits,
+                mode=self.mode,
+            )
+            return y + self["bias"] if "bias" in self else y
         siblings: _Siblings | None = getattr(self, "_qmm_siblings", None)
         if siblings is not None and _state.fuse:
             y = siblings.output(self, x)

@@ -255,6 +255,22 @@ def _avx512_kernel() -> bool:
     return ext is not None and bool(getattr(ext, "avx512_active", lambda: False)())
 
 
+def _scaled_biases(infos: list[LayerInfo], prefix: str) -> bool:
+    """Whether the layers hold no biases their scales give (compute/qmm.py scaled_biases):
+    where every linear that has such biases runs on the fast kernel with float32
+    activations (qmm.select ran before the load: engine/loader.py)."""
+    if compute_dtype() != mx.float32 or not any(info.derived for info in infos):
+        return False
+    for info in infos:
+        owners = {slot.name: slot.container for slot in info.slots}
+        lp = f"{prefix}{info.index}."
+        for d in info.derived:
+            owner = owners.get(d.name[len(lp) :])
+            if owner is None or not qmm.takes_scaled_biases(owner):
+                return False
+    return True
+
+
 def load_prepared(path: Path, config: EngineConfig) -> LoadedModel:
     """Load a prepared directory with the residency `config` asks for."""
     from mlx_lm.utils import load_tokenizer
@@ -282,7 +298,8 @@ def load_prepared(path: Path, config: EngineConfig) -> LoadedModel:
         _layer_info(root, entry, layers[entry["index"]], prefix) for entry in manifest["layers"]
     ]
     # Before the random initial weights go: the float copies a prompt makes are
-    # read from the quantized linears' shapes.
+    # read from the quantized linears' shapes, and which linears the fast kernel takes.
+    scaled = _scaled_biases(infos, prefix)
     dense_plan = config.residency == "auto" and not config.expert_cache
     copies = _float_copies(config, [info.module for info in infos]) if dense_plan else (0, 0)
     for info in infos:  # drop the random initial weights before anything evaluates them
@@ -306,6 +323,7 @@ def load_prepared(path: Path, config: EngineConfig) -> LoadedModel:
         drop_page_cache=bool(config.extra.get("stream_drop_page_cache", False)),
         io_timeout=float(config.io_timeout),
         chunk_bytes=chunk or CHUNK_BYTES,
+        scaled_biases=scaled,
     )
     if config.expert_cache:
         # The expert cache owns the experts (experts/): layers

@@ -48,10 +48,11 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
+from flashserve.engine.compute import qmm
 from flashserve.engine.streaming.residency import ResidencyManager, ResidencyPlan, ShedEvent
 from flashserve.engine.weights import derived
 from flashserve.engine.weights.derived import Derived
-from flashserve.engine.weights.layout import align_up
+from flashserve.engine.weights.layout import expert_regions
 from flashserve.engine.weights.model import ModelLoadError
 from flashserve.engine.weights.reader import (
     CHUNK_BYTES,
@@ -178,6 +179,10 @@ class LayerStreamer:
     direct_reads: bool = False
     # Seconds a read may make no progress before the layer's request fails.
     io_timeout: float = 30.0
+    # Layers hold a 0-d `times` for the biases their scales give (weights/derived.py),
+    # not the biases (a tenth of a Q4_0 layer): where every linear that has them
+    # runs on the fast kernel, which reads them so (compute/qmm.py scaled_biases).
+    scaled_biases: bool = False
     chunk_bytes: int = CHUNK_BYTES  # the manifest's checksum chunk
     pool: ReadPool = field(default_factory=shared_pool)
     stats: StreamStats = field(default_factory=StreamStats)
@@ -205,7 +210,8 @@ class LayerStreamer:
 
     def layer_bytes(self, index: int) -> int:
         info = self.layers[index]
-        return info.dense_bytes + (info.expert_bytes if self.experts_with_layers else 0)
+        dense = info.dense_bytes - (_derived_bytes(info) if self.scaled_biases else 0)
+        return dense + (info.expert_bytes if self.experts_with_layers else 0)
 
     @property
     def resident_layers(self) -> list[int]:
@@ -299,14 +305,14 @@ class LayerStreamer:
         """
         size = info.file_bytes
         direct = self.direct_reads
-        extra = derived.tail_bytes(size, info.derived_bytes)
+        extra = 0 if self.scaled_biases else derived.tail_bytes(size, info.derived_bytes)
         buffer, raw = self._buffer(size + (DIRECT_SLACK if direct else 0) + extra, fresh)
         base = direct_base(raw) if direct else 0
         end = base + (-(-size // DIRECT_ALIGN) * DIRECT_ALIGN if direct else size)
         pieces = chunk_pieces(raw[base:end], info.crc32, self.chunk_bytes, size)
         dense = _Read(self._read(info.file, size, pieces, direct), buffer, raw, base)
         experts = None
-        nbytes = info.dense_bytes - sum(d.nbytes for d in info.derived)  # what is read
+        nbytes = info.dense_bytes - _derived_bytes(info)  # what is read
         if info.switches and self.experts_with_layers:
             experts = self._load_experts(info, fresh)
             nbytes += info.expert_bytes
@@ -320,7 +326,7 @@ class LayerStreamer:
     def _load_experts(self, info: LayerInfo, fresh: bool) -> _Read:
         """One preadv per expert record, scattered into the stacked tensors' regions."""
         assert info.experts_file is not None
-        regions = _expert_regions(info.switches)
+        regions = expert_regions(info.switches)
         size = max((r[0] + r[1] * r[2]["num_experts"] for r in regions.values()), default=0)
         buffer, raw = self._buffer(size, fresh)
         view = memoryview(raw)
@@ -347,9 +353,18 @@ class LayerStreamer:
         dense = pending.dense
         dense.job.wait(self.io_timeout)
         weights = {}
+        scaled = self.scaled_biases
         views = derived.layer_views(
-            dense.buffer, dense.raw, dense.base, info.file, info.file_bytes, info.derived
+            dense.buffer,
+            dense.raw,
+            dense.base,
+            info.file,
+            info.file_bytes,
+            info.derived,
+            not scaled,
         )
+        if scaled:
+            views |= {d.name: qmm.scaled_biases(d.times) for d in info.derived}
         for name, arr in views.items():
             if not name.startswith(lp):
                 raise WeightFileError(f"{info.file}: tensor {name} is not of layer {info.index}")
@@ -357,7 +372,7 @@ class LayerStreamer:
         if pending.experts is not None:
             read = pending.experts
             read.job.wait(self.io_timeout)
-            for path, (base, nbytes, sw) in _expert_regions(info.switches).items():
+            for path, (base, nbytes, sw) in expert_regions(info.switches).items():
                 spec = sw["tensors"][path[len(sw["path"]) + 1 :]]
                 dtype = getattr(mx, spec["dtype"])
                 n = sw["num_experts"]
@@ -559,28 +574,8 @@ class LayerStreamer:
         }
 
 
-def _expert_regions(switches: list[dict]) -> dict[str, tuple[int, int, dict]]:
-    """{stacked parameter path: (offset in the buffer, bytes per expert, switch)}.
-
-    Each stacked tensor gets one region of num_experts x its per-expert bytes,
-    starting at a multiple of ALIGN (weights/layout.py) so every region is a
-    zero-copy view on every backend. A record's tensors lie at aligned offsets,
-    back to back but for the padding up to each (layout format 2).
-    """
-    out, at = {}, 0
-    for sw in switches:
-        specs = sorted(sw["tensors"].items(), key=lambda kv: kv[1]["offset"])
-        ends = [0] + [align_up(int(spec["offset"]) + int(spec["nbytes"])) for _, spec in specs]
-        if [int(spec["offset"]) for _, spec in specs] != ends[:-1] or (
-            ends[-1] != sw["record_bytes"]
-        ):
-            raise ModelLoadError(
-                f"{sw['path']}: expert records are not aligned back to back tensors"
-            )
-        for name, spec in specs:
-            out[f"{sw['path']}.{name}"] = (at, int(spec["nbytes"]), sw)
-            at = align_up(at + int(spec["nbytes"]) * int(sw["num_experts"]))
-    return out
+def _derived_bytes(info: LayerInfo) -> int:
+    return sum(d.nbytes for d in info.derived)
 
 
 def _cache_arrays(args: tuple, kwargs: dict) -> list[mx.array]:

@@ -121,15 +121,28 @@ def fill(weights: dict[str, mx.array], entries: list[dict] | None) -> dict[str, 
 
 
 def layer_views(
-    buffer: mx.array, raw: np.ndarray, base: int, path: Path, size: int, derived: list[Derived]
+    buffer: mx.array,
+    raw: np.ndarray,
+    base: int,
+    path: Path,
+    size: int,
+    derived: list[Derived],
+    rebuild: bool = True,
 ) -> dict[str, mx.array]:
     """Every tensor of a layer file (`size` bytes) read whole into `buffer` from byte
     `base`: views of its bytes, and its derived tensors rebuilt after them, from
     the next DIRECT_ALIGN boundary (a direct read may fill the file's last block;
-    `tail_bytes` is the room a buffer needs past the file)."""
+    `tail_bytes` is the room a buffer needs past the file). `rebuild` False: the
+    derived tensors are only checked against the file (the caller stands in for
+    them: streaming/streamer.py scaled_biases)."""
     entries = safetensors_entries(raw, path, base)
+    out = views_of(buffer, raw, entries)
+    if not rebuild:
+        for d in derived:
+            _source_of(d, entries)
+        return out
     tail = base + align_up(size, DIRECT_ALIGN)
-    return {**views_of(buffer, raw, entries), **views(buffer, raw, entries, tail, derived)}
+    return {**out, **views(buffer, raw, entries, tail, derived)}
 
 
 def tail_bytes(size: int, derived_bytes: int) -> int:
@@ -148,15 +161,24 @@ def views(
     tensors, reader.safetensors_entries), rebuilt from byte `tail` of it on."""
     out = {}
     for d in derived:
-        dtype, a, b, shape = entries.get(d.source, (None, 0, -1, []))
-        if b - a != d.nbytes:
-            raise WeightFileError(f"{d.name}: its source {d.source} is not in the file as listed")
+        dtype, a, b, shape = _source_of(d, entries)
         start = tail + d.offset
         if start + d.nbytes > raw.size:
             raise WeightFileError(f"{d.name}: no room for it after the file's bytes")
         derive_into(raw[a:b], raw[start : start + d.nbytes], _name(dtype), d.times)
         out[d.name] = view_as(buffer, raw, start, start + d.nbytes, dtype, shape)
     return out
+
+
+def _source_of(
+    d: Derived, entries: dict[str, tuple[mx.Dtype, int, int, list[int]]]
+) -> tuple[mx.Dtype, int, int, list[int]]:
+    if d.source != d.name.removesuffix("biases") + "scales":  # the only kind prepare writes
+        raise WeightFileError(f"{d.name}: its source {d.source} is not its scales")
+    dtype, a, b, shape = entries.get(d.source, (None, 0, -1, []))
+    if b - a != d.nbytes:
+        raise WeightFileError(f"{d.name}: its source {d.source} is not in the file as listed")
+    return dtype, a, b, shape
 
 
 def _name(dtype: mx.Dtype) -> str:

@@ -276,3 +276,28 @@ def verify_files(path: Path, manifest: dict) -> None:
                 f"{file}: {size} bytes, manifest says {entry['bytes']} "
                 "(truncated or changed; prepare the model again)"
             )
+
+
+def expert_regions(switches: list[dict]) -> dict[str, tuple[int, int, dict]]:
+    """{stacked parameter path: (offset in a layer's experts buffer, bytes per expert,
+    switch)}: where streaming/streamer.py reads a layer's expert records.
+
+    Each stacked tensor gets one region of num_experts x its per-expert bytes,
+    starting at a multiple of ALIGN so every region is a zero-copy view on
+    every backend. A record's tensors lie at aligned offsets,
+    back to back but for the padding up to each (layout format 2).
+    """
+    out, at = {}, 0
+    for sw in switches:
+        specs = sorted(sw["tensors"].items(), key=lambda kv: kv[1]["offset"])
+        ends = [0] + [align_up(int(spec["offset"]) + int(spec["nbytes"])) for _, spec in specs]
+        if [int(spec["offset"]) for _, spec in specs] != ends[:-1] or (
+            ends[-1] != sw["record_bytes"]
+        ):
+            raise ModelLoadError(
+                f"{sw['path']}: expert records are not aligned back to back tensors"
+            )
+        for name, spec in specs:
+            out[f"{sw['path']}.{name}"] = (at, int(spec["nbytes"]), sw)
+            at = align_up(at + int(spec["nbytes"]) * int(sw["num_experts"]))
+    return out

@@ -93,6 +93,7 @@ void expert_glu_compute(const std::vector<mx::array>& in, mx::array& out, const 
     p.w_stride = wt.w_stride;
     p.scales = wt.s;
     p.biases = wt.b;
+    p.bias_times = wt.times;
     p.s_stride = wt.s_stride;
     p.out = o;
     p.out_stride = N;

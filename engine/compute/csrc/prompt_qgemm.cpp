@@ -170,6 +170,7 @@ struct Problem {
   int64_t s_stride;
   flashserve_qmm::ScaleType st;
   int tiles;
+  float bias_times;  // nonzero: biases are this x the scales (flashserve_qmm::QmmProblem)
 };
 
 // Each thread's scratch, kept between calls (a prompt runs hundreds of them).
@@ -300,7 +301,11 @@ void run_tile(const Problem& p, const Acts& a, int tile, Isa isa, int width) {
   float* s = t_sbuf.data();
   const auto fill = isa == Isa::avx512vnni && width % 16 == 0 ? fill_scales16 : fill_scales;
   fill(p.scales, p.s_stride, p.st, tile * width, p.w.N, width, groups, s);
-  fill(p.biases, p.s_stride, p.st, tile * width, p.w.N, width, groups, s + int64_t(groups) * width);
+  float* b = s + int64_t(groups) * width;
+  fill(p.biases, p.s_stride, p.st, tile * width, p.w.N, width, groups, b);
+  if (p.bias_times != 0.f) {
+    for (int64_t i = 0; i < int64_t(groups) * width; ++i) b[i] *= p.bias_times;
+  }
   const TileFn fn = isa == Isa::avx512vnni ? tile_avx512vnni
                     : isa == Isa::avxvnni  ? tile_avxvnni
                                            : tile_avx2;
@@ -344,7 +349,7 @@ void compute(const std::vector<mx::array>& ins, std::vector<mx::array>& outs, in
     const auto& wt = *held.back();
     Problem p{Weight{wt.w, wt.w_stride, N, K, bits, group_size, outs[i].data<float>(), N},
               wt.s, wt.b, wt.s_stride, flashserve_arrays::scale_type_of(scales),
-              (N + width - 1) / width};
+              (N + width - 1) / width, wt.times};
     problems.push_back(p);
     first_tile.push_back(first_tile.back() + p.tiles);
   }
@@ -417,8 +422,9 @@ std::vector<mx::array> prompt_qgemm(const mx::array& x, const std::vector<mx::ar
     check(ws[i].dtype() == mx::uint32 && ws[i].ndim() == 2, "w must be 2-D uint32");
     check(int64_t(ws[i].shape(1)) * 32 == int64_t(K) * bits, "w does not match x");
     check(scales[i].ndim() == 2 && scales[i].shape(0) == ws[i].shape(0) &&
-              scales[i].shape(1) == K / group_size && biases[i].shape() == scales[i].shape() &&
-              biases[i].dtype() == scales[i].dtype(),
+              scales[i].shape(1) == K / group_size &&
+              (flashserve_arrays::biases_of_scales(biases[i]) ||
+               (biases[i].shape() == scales[i].shape() && biases[i].dtype() == scales[i].dtype())),
           "scales and biases must be (rows, groups) and of one dtype");
     flashserve_arrays::scale_type_of(scales[i]);
     auto shape = x.shape();

@@ -93,14 +93,22 @@ inline std::vector<const float*> x_rows(const mx::array& x, int64_t M, int K, st
   return rows;
 }
 
+// Whether `biases` stands for a multiple of the scales (a 0-d float32 array).
+inline bool biases_of_scales(const mx::array& biases) {
+  return biases.ndim() == 0 && biases.dtype() == mx::float32;
+}
+
 // A weight's packed values, scales and biases as rows (`rows` of them: N, or
-// E * N for a stacked weight); scales and biases share one row stride.
+// E * N for a stacked weight); scales and biases share one row stride. Biases
+// given as a 0-d float32 array t stand for t x the scales (QmmProblem's
+// bias_times): `b` then points at the scales.
 struct Weights {
   const uint32_t* w;
   const char* s;
   const char* b;
   int64_t w_stride;
   int64_t s_stride;
+  float times = 0.f;
   std::vector<char> keep_w, keep_s, keep_b;  // copies of inputs not laid out as rows
 
   Weights(const mx::array& w_, const mx::array& scales, const mx::array& biases, int64_t rows) {
@@ -117,6 +125,11 @@ struct Weights {
     const int64_t groups = scales.shape(-1);
     int64_t b_stride;
     s = reinterpret_cast<const char*>(rows_of<T>(scales, rows, groups, s_stride, keep_s));
+    if (biases.ndim() == 0) {
+      b = s;
+      times = biases.data<float>()[0];
+      return;
+    }
     b = reinterpret_cast<const char*>(rows_of<T>(biases, rows, groups, b_stride, keep_b));
     if (s_stride != b_stride) {  // one layout for both: copy them
       s = reinterpret_cast<const char*>(rows_of<T>(scales, rows, groups, s_stride, keep_s, true));

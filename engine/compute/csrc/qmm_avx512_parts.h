@@ -62,7 +62,8 @@ QMM512 inline void add_bias_terms(const QmmProblem& p, const Prepared& x, int gr
   for (int g = 0; g < groups; g += 16) {
     const __mmask16 mask = low_lanes(groups - g);
     for (int c = 0; c < NC; ++c) {
-      const __m512 b = load_scales<ST>(p.biases, int64_t(n0 + c) * p.s_stride + g, mask);
+      __m512 b = load_scales<ST>(p.biases, int64_t(n0 + c) * p.s_stride + g, mask);
+      if (p.bias_times != 0.f) b = _mm512_mul_ps(b, _mm512_set1_ps(p.bias_times));
       for (int m = 0; m < MR; ++m) {
         const __m512 s = _mm512_maskz_loadu_ps(mask, x.xsum + int64_t(m0 + m) * x.sum_stride + g);
         tot[m][c] = _mm512_fmadd_ps(b, s, tot[m][c]);

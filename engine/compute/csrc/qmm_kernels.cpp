@@ -144,6 +144,7 @@ QMM_TARGET void tile(const QmmProblem& p, const float* xs, int m0, int n0) {
       _mm_prefetch(static_cast<const char*>(p.biases) + at * SB + PREFETCH / 8, _MM_HINT_T0);
       sc[c] = scale_at<ST>(p.scales, at);
       bi[c] = scale_at<ST>(p.biases, at);
+      if (p.bias_times != 0.f) bi[c] *= p.bias_times;
     }
     for (int h = 0; h < chunks; ++h) {
       const int k0 = g * p.group_size + h * CHUNK;

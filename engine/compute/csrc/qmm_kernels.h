@@ -30,6 +30,11 @@ struct QmmProblem {
   int64_t w_stride;
   const void* scales;       // N rows of K / group_size, s_stride elements apart
   const void* biases;       // same layout as scales
+  // Nonzero: every bias is this times its scale, and `biases` points at the
+  // scales (a symmetric quant: Q4_0's bias is -8 x its scale), so no biases
+  // array sits in memory. A power of two there, so each product is exact and
+  // the numbers are those of the biases it stands for.
+  float bias_times;
   int64_t s_stride;
   ScaleType scale_type;
   int bits;

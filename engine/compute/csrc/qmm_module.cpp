@@ -136,6 +136,7 @@ QmmProblem plain(const std::vector<const float*>& xr, const Weights& wt, const m
   p.w = wt.w;
   p.scales = wt.s;
   p.biases = wt.b;
+  p.bias_times = wt.times;
   p.out = out.data<float>();
   return p;
 }
@@ -182,6 +183,7 @@ void compute_list(const mx::array& x, const mx::array& rows_expert,
                 q.w = wt->w;
                 q.scales = wt->s;
                 q.biases = wt->b;
+                q.bias_times = wt->times;
                 q.w_stride = wt->w_stride;
                 q.s_stride = wt->s_stride;
               });
@@ -349,8 +351,10 @@ void check_weights(const mx::array& x, const mx::array& w, const mx::array& scal
   check(x.ndim() >= 1, "x must have at least one dimension");
   check(w.dtype() == mx::uint32, "w must be uint32");
   check(w.ndim() == weight_ndim, "w has the wrong number of dimensions");
-  check(scales.shape() == biases.shape(), "scales and biases differ in shape");
-  check(scales.dtype() == biases.dtype(), "scales and biases differ in dtype");
+  if (!flashserve_arrays::biases_of_scales(biases)) {  // else: a multiple of the scales
+    check(scales.shape() == biases.shape(), "scales and biases differ in shape");
+    check(scales.dtype() == biases.dtype(), "scales and biases differ in dtype");
+  }
   scale_type_of(scales);
   const int K = x.shape(-1);
   check(flashserve_qmm::shape_supported(bits, group_size, K), "unsupported bits or group size");
@@ -459,6 +463,9 @@ NB_MODULE(_qmm, m) {
   m.doc() = "flashserve's CPU quantized matmul for few rows, as an MLX primitive";
   m.def("qmm", &qmm, "x"_a, "w"_a, "scales"_a, "biases"_a, "group_size"_a, "bits"_a,
         "x @ dequantize(w, scales, biases).T on the CPU stream (x float32, rows flattened)");
+  // qmm, qmm_multi, gather_qmm and prompt_qgemm take biases as a 0-d float32 t
+  // standing for t x the scales (a symmetric quant's biases, none in memory).
+  m.attr("biases_of_scales") = true;
   m.def("qmm_multi", &qmm_multi, "x"_a, "w"_a, "scales"_a, "biases"_a, "group_sizes"_a,
         "bits"_a,
         "[x @ dequantize(w[i]).T for each i] as one op: weights that share an input");
