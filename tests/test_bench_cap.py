@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from flashserve.engine.bench.cap.section import served_bytes
+from flashserve.engine.bench.cap.section import prepared_bytes
 from tests.conftest import _clean_env
 from tests.test_bench import REPO, _number, _tables
 
@@ -66,7 +66,7 @@ def test_quick_dense_cap_section_runs_uncapped_and_capped_and_prints_its_targets
 ) -> None:
     """`--cap-model dense`: the quick dense GGUF, flashserve with --residency auto with no
     limit (its own reference decode) and under a cap given as a fraction of the
-    model as served; rows and the dense targets printed."""
+    prepared model; rows and the dense targets printed."""
     _need_cgroups()
     cmd = [sys.executable, "-m", "flashserve.server.cli", "bench", "--", "--quick"]
     cmd += ["--sections", "cap", "--cap-model", "dense", "--cap", "27x", "--rounds", "1"]
@@ -100,4 +100,4 @@ def test_quick_dense_cap_section_runs_uncapped_and_capped_and_prints_its_targets
 
 def _model_mb(work_dir: Path) -> float:
     manifest = work_dir / "cap-dense-quick" / "prepared" / "manifest.json"
-    return served_bytes(json.loads(manifest.read_text())) / 1e6  # what the caps are of
+    return prepared_bytes(json.loads(manifest.read_text())) / 1e6  # what the caps are of

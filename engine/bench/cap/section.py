@@ -104,12 +104,11 @@ def parse_cap(text: str) -> int:
     return int(parsed.nbytes if parsed.nbytes is not None else parsed.slots or 0)
 
 
-def served_bytes(manifest: dict) -> int:
-    """The model's weights as served: its prepared files, and the biases its layer files
-    leave out and loading rebuilds (weights/derived.py). The caps are fractions of
-    this, as they were of the prepared files before those left the biases out."""
-    left_out = sum(d["nbytes"] for e in manifest["layers"] for d in e.get("derived") or [])
-    return int(manifest["total_bytes"]) + left_out
+def prepared_bytes(manifest: dict) -> int:
+    """The model the caps are fractions of: its prepared files, the GGUF's size. Where
+    flashserve's CPU kernel runs, its layers hold no more in memory either (the biases
+    their scales give stay out: compute/qmm.py scaled_biases)."""
+    return int(manifest["total_bytes"])
 
 
 def parse_caps(text: str, model_bytes: int) -> list[int]:
@@ -197,7 +196,7 @@ def run(
         prepared = work_dir / f"cap-{gguf_path.stem}" / "prepared"
         if not (prepared / "manifest.json").exists():
             prepare(str(gguf_path), prepared, force=True)
-    model_bytes = served_bytes(json.loads((prepared / "manifest.json").read_text()))
+    model_bytes = prepared_bytes(json.loads((prepared / "manifest.json").read_text()))
     caps: list[int | None] = list(parse_caps(cap or DEFAULT_CAPS[kind], model_bytes))
     if kind == "dense":
         caps.insert(0, None)  # flashserve's own uncapped decode: the reference
@@ -227,7 +226,7 @@ def run(
                 log.info("cap run: %s", asdict(result))
     limits = ", ".join("none" if c is None else f"{c / 1e9:.2f} GB" for c in caps)
     title = (
-        f"Cap: {prepared.parent.name} ({model_bytes / 1e9:.2f} GB served) in cgroup v1 "
+        f"Cap: {prepared.parent.name} ({model_bytes / 1e9:.2f} GB) in cgroup v1 "
         f"groups of {limits}, {tokens} tokens"
     )
     print_table(title, HEADER, [_cells(r, model_bytes) for r in runs])
