@@ -195,3 +195,19 @@ def test_a_manifest_that_names_other_scales_is_refused_naming_it(symmetric_gguf,
     (out / MANIFEST_NAME).write_text(json.dumps(manifest))
     with pytest.raises(WeightFileError, match=r"up_proj\.biases: its source .* is not its scales"):
         load(EngineConfig(model=str(out)))
+
+
+def test_fill_gives_a_file_loaded_whole_its_biases_bit_for_bit(symmetric_gguf, tmp_path):
+    # What experts/install.py does for an MoE router's copy: mx.load, then fill.
+    path, _ = symmetric_gguf
+    out = prepare(str(path), tmp_path / "prepared")
+    manifest = json.loads((out / MANIFEST_NAME).read_text())
+    want = dict(tree_flatten(load_gguf(path)[0].parameters()))
+    for entry in manifest["layers"]:
+        weights = mx.load(str(out / entry["file"]))
+        assert not any(d["name"] in weights for d in entry["derived"])
+        derived.fill(weights, entry["derived"])
+        for d in entry["derived"]:
+            got, expected = weights[d["name"]], want[d["name"]]
+            assert got.dtype == expected.dtype and got.shape == expected.shape, d["name"]
+            assert mx.array_equal(got, expected).item(), d["name"]

@@ -98,6 +98,7 @@ def _layer_info(root: Path, entry: dict, module: nn.Module, prefix: str) -> Laye
         experts_file_bytes=int(experts.get("bytes", 0)),
         derived=derived[0],
         derived_bytes=derived[1],
+        left_out_bytes=sum(d.nbytes for d in derived[0]),
     )
 
 

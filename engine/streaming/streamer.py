@@ -135,6 +135,7 @@ class LayerInfo:
     bytes_read: int = 0  # read from disk for this layer since start (the dashboard's strip)
     derived: list[Derived] = field(default_factory=list)  # rebuilt after the file's bytes
     derived_bytes: int = 0  # their region: ALIGN steps
+    left_out_bytes: int = 0  # their own bytes: in the layer's dense bytes, not in its file
 
 
 @dataclass
@@ -210,7 +211,7 @@ class LayerStreamer:
 
     def layer_bytes(self, index: int) -> int:
         info = self.layers[index]
-        dense = info.dense_bytes - (_derived_bytes(info) if self.scaled_biases else 0)
+        dense = info.dense_bytes - (info.left_out_bytes if self.scaled_biases else 0)
         return dense + (info.expert_bytes if self.experts_with_layers else 0)
 
     @property
@@ -312,7 +313,7 @@ class LayerStreamer:
         pieces = chunk_pieces(raw[base:end], info.crc32, self.chunk_bytes, size)
         dense = _Read(self._read(info.file, size, pieces, direct), buffer, raw, base)
         experts = None
-        nbytes = info.dense_bytes - _derived_bytes(info)  # what is read
+        nbytes = info.dense_bytes - info.left_out_bytes  # what is read
         if info.switches and self.experts_with_layers:
             experts = self._load_experts(info, fresh)
             nbytes += info.expert_bytes
@@ -572,10 +573,6 @@ class LayerStreamer:
             "plan": self.plan.to_dict() if self.plan else None,
             "stats": asdict(self.stats),
         }
-
-
-def _derived_bytes(info: LayerInfo) -> int:
-    return sum(d.nbytes for d in info.derived)
 
 
 def _cache_arrays(args: tuple, kwargs: dict) -> list[mx.array]:

@@ -112,10 +112,10 @@ def fill(weights: dict[str, mx.array], entries: list[dict] | None) -> dict[str, 
     """`weights` (a layer file's tensors, loaded whole) with its derived tensors added."""
     for d in parse(entries)[0]:
         scales = weights[d.source]
+        name = _name(scales.dtype)
         out = np.empty(d.nbytes, np.uint8)
-        derive_into(bits_of(scales), out, _name(scales.dtype), d.times)
-        kind = mx.uint32 if scales.dtype == mx.float32 else mx.uint16
-        values = mx.array(out.view(np.uint32 if kind == mx.uint32 else np.uint16))
+        derive_into(bits_of(scales), out, name, d.times)
+        values = mx.array(out.view(_FLOATS[name][0]))  # the floats' bits, as bits_of reads them
         weights[d.name] = values.view(scales.dtype).reshape(scales.shape)
     return weights
 
