@@ -28,6 +28,8 @@ from flashserve.engine.generation.prefill.layer_major import LayerMajorPrefill, 
 from flashserve.engine.generation.stats import WorkerStats
 from flashserve.engine.loader import load
 from flashserve.engine.streaming.denseplan import (
+    FILE_HOT,
+    FILE_MIN,
     MIN_CONTEXT,
     DenseSettings,
     DenseShape,
@@ -128,6 +130,24 @@ def test_layers_that_do_not_all_fit_take_the_memory_tier_first() -> None:
     memory_only, kept = _plan(available=1100 * MB, disk_tier=False)
     assert kept.prompt_cache_bytes == 100 * MB and kept.prefix_states
     assert memory_only.resident_layers < plan.resident_layers
+
+
+def test_what_is_kept_free_is_the_code_serving_touches() -> None:
+    """Under a small limit the plan keeps free the part of the files mapped at load that
+    serving keeps touching (FILE_HOT of them, FILE_MIN at least), not the MoE plan's
+    32 MB floor and half again; its shed floor is a fraction of the limit, under that.
+    Under a large limit the floor (4%) and its headroom stay the larger."""
+    plan, _ = _plan(available=400 * MB, limit=450 * MB, file_bytes=46 * MB)
+    assert plan.file_reserve_bytes == int(46 * MB * FILE_HOT) > FILE_MIN
+    assert plan.shed_floor_bytes == int(450 * MB * 0.04) < plan.file_reserve_bytes
+    more, _ = _plan(available=400 * MB, limit=450 * MB, file_bytes=100 * MB)
+    assert more.file_reserve_bytes == int(100 * MB * FILE_HOT)
+    # What more code keeps free, layers or the context give up.
+    assert (more.resident_layers, more.context_tokens) < (plan.resident_layers, plan.context_tokens)
+    small, _ = _plan(available=400 * MB, limit=450 * MB, file_bytes=10 * MB)
+    assert small.file_reserve_bytes == FILE_MIN
+    large, _ = _plan(available=1900 * MB, limit=2000 * MB, file_bytes=46 * MB)
+    assert large.shed_floor_bytes == 80 * MB and large.file_reserve_bytes == 120 * MB
 
 
 def test_a_tight_limit_gives_up_in_the_stated_order_then_refuses() -> None:

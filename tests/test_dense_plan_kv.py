@@ -8,12 +8,14 @@ llama-server's speed.
 from __future__ import annotations
 
 import dataclasses
+import json
 from types import SimpleNamespace
 
 import mlx.core as mx
 
 from flashserve.engine.config import EngineConfig
-from flashserve.engine.generation import decode_step
+from flashserve.engine.generation import decode_step, memory_guard
+from flashserve.engine.generation.memory_guard import MemoryGuard
 from flashserve.engine.loader import load
 from flashserve.engine.streaming.denseplan import DenseShape, plan_dense
 from flashserve.engine.streaming.lending import Lending
@@ -207,3 +209,56 @@ def test_with_every_layer_on_loan_decode_steps_compile_until_one_streams(tmp_pat
     again = decode(compiled, prompts, lengths, join_at=4)
     assert compiled.steps == steps
     assert {uid: t for uid, (t, _) in again.items()} == {u: t for u, (t, _) in plain.items()}
+
+
+def test_the_layers_a_prefill_streamed_go_on_loan_with_the_first_decode_step(
+    tmp_path_factory, tmp_path
+) -> None:
+    """At 1.6x the model, the plan streams some layers to leave a prefill its room; the
+    loan holds them all once decoding. The prefill's room is the loan's again as soon
+    as the prompt is prefilled (memory_guard.py after_prefill): the first decode step
+    reads each such layer once and keeps it, where it used to read them and drop them,
+    and the second read them again (issue 54: 7 MB a token at the 1.4x cap, now 3)."""
+    _, prepared = big_llama(tmp_path_factory)
+    total = json.loads((prepared / "manifest.json").read_text())["total_bytes"]
+    cache = str(tmp_path / "prompt-cache")
+    args = ("--residency", "auto", "--prompt-cache-dir", cache, "--stream-keepalive", "0")
+    with served_in_group(int(total * 1.6), prepared, tmp_path, *args) as (server, group):
+        http = server.http(timeout=600)
+        streamed = http.get("/memory").json()["streamed_layers"]
+        assert streamed  # the prefill's room: some layers stream
+        body = {"prompt": [20 + i % 280 for i in range(300)], "max_tokens": 12, "temperature": 0}
+        reply = http.post("/v1/completions", json=body)
+        assert reply.status_code == 200, reply.text
+        memory = http.get("/memory").json()
+        assert sorted(memory["lent_layers"]) == streamed and memory["streamed_layers"] == []
+        # One read for the layer-major prefill, one for the first step, none after.
+        assert memory["streaming"]["layer_loads"] <= 2 * len(streamed) + 1
+        assert "oom_kill 0" in (group / "memory.oom_control").read_text()
+
+
+def test_an_answers_state_copy_takes_lent_layers_back_first(tmp_path_factory, monkeypatch):
+    """An ended answer's state is copied for the prompt cache beside the batch's rows
+    (memory_guard.py before_store). Where what is really free, less what the plan keeps
+    free, cannot hold the copies, lent layers go back first, as few as cover them;
+    greedy tokens stay the resident model's."""
+    loaded, ref_tokens, _ = streamed_llama(tmp_path_factory)
+    streamer = loaded.streamer
+    size = streamer.layer_bytes(0)
+    keep = 64 * MB
+    guard = MemoryGuard(loaded, None)
+    guard.lending = Lending(
+        streamer, 10 * size, 0, kv_bytes_per_token=0, planned_depth=1, max_depth=1, keep_free=keep
+    )
+    guard.lending.settle(3 * size + size // 2, grow=True)
+    greedy(loaded.model, PROMPT, tokens=2)
+    assert len(streamer.lent) == 3
+    monkeypatch.setattr(memory_guard, "available_memory", lambda: keep + size // 2)
+    guard.before_store(size // 4)  # really free: nothing goes back
+    assert len(streamer.lent) == 3
+    guard.before_store(size)  # half a layer short: one goes back
+    assert len(streamer.lent) == 2
+    guard.before_store(2 * size)  # a layer and a half short: both
+    assert streamer.lent == []
+    tokens, _, _ = greedy(loaded.model, PROMPT)
+    assert tokens == ref_tokens

@@ -19,6 +19,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load as mlx_load
 
 from flashserve.engine.kv import cache as kv_cache
+from flashserve.engine.kv.price import kv_price
 from flashserve.engine.streaming.prepared import kv_bytes_per_token
 from flashserve.engine.weights.prepare import prepare
 from flashserve.engine.weights.synthetic import make_model_dir
@@ -39,11 +40,12 @@ def gemma_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
 
 
-def held_bytes(model_dir: Path, tokens: int) -> int:
-    """The most one sequence's caches hold at kv_bits while `tokens` tokens are
+def held_bytes(model_dir: Path, tokens: int, bits: int | None = BITS) -> int:
+    """The most one sequence's caches hold at `bits` while `tokens` tokens are
     prefilled in chunks (then one decode step)."""
     model, _ = mlx_load(str(model_dir))
-    kv_cache.install(model, BITS, GROUP)
+    if bits is not None:
+        kv_cache.install(model, bits, GROUP)
     cache = make_prompt_cache(model)
     most = 0
     prompt = [(7 * i) % 200 + 10 for i in range(tokens)]
@@ -78,3 +80,16 @@ def test_residency_plan_reserves_what_a_context_holds(gemma_dir: Path, tmp_path:
         stop_server(server)
     held = held_bytes(gemma_dir, inputs["kv_reserve_tokens"])
     assert held <= inputs["kv_reserve_bytes"] <= held * 1.02, (inputs["kv_reserve_bytes"], held)
+
+
+@pytest.mark.parametrize("bits", [None, BITS])
+def test_a_context_between_cache_steps_is_priced_at_whole_steps(tmp_path: Path, bits) -> None:
+    """mlx-lm's caches grow 256 tokens at a time: 700 tokens hold 768 tokens' room, and
+    a plan that priced 700 would let a request at its context pass it (issue 54)."""
+    model_dir = make_model_dir(tmp_path / "llama", "llama", overrides={"head_dim": 64})
+    model, _ = mlx_load(str(model_dir))
+    config = json.loads((model_dir / "config.json").read_text())
+    price = kv_price(model, config, bits, GROUP)
+    held = held_bytes(model_dir, 700, bits)
+    assert price.bounded == () and 700 * price.unbounded < held
+    assert price.bytes(700, CHUNK) == held == price.bytes(768, CHUNK)

@@ -31,7 +31,7 @@ from typing import Any
 from flashserve.engine.generation.requests import GenerationRequest, RequestHandle
 from flashserve.engine.generation.stats import WorkerStats
 from flashserve.engine.streaming.lending import Lending
-from flashserve.engine.streaming.memory import available_memory
+from flashserve.engine.streaming.memory import available_memory, kv_cache_nbytes
 from flashserve.engine.streaming.residency import fmt_bytes
 
 log = logging.getLogger(__name__)
@@ -143,18 +143,45 @@ class MemoryGuard:
             return True
         return reserved + kv_tokens(request) <= self.kv_budget
 
+    def after_prefill(self, stats: WorkerStats, active: dict[int, Any], starts: list[Any]) -> None:
+        """Call once the admitted requests are in the batch (`active`; `starts`: the
+        worker's, for each its prompt). Where every prompt was prefilled outside the
+        batch, its first step decodes: the prefill's room is the loan's again, and the
+        layers that step reads stay on loan instead of being read again by the next."""
+        if all(start.failed or start.logits is not None for start in starts):
+            # The first step copies each prompt's cache into the batch's.
+            copies = kv_cache_nbytes([s.cache for s in starts if not s.failed and s.cache])
+            self._lend(stats, active, copies)
+
+    def before_store(self, copies: int) -> None:
+        """Call before ended answers' states are copied for the prompt cache (`copies`:
+        their bytes, beside the batch's rows until it drops them): the loan gives back
+        what they take, at once. The room counts a state only once it waits for the
+        disk; until the step's end it would be the loan's and the copies' at once."""
+        if self.lending is None or copies <= 0:
+            return
+        need = copies - (available_memory() - self.lending.keep_free)
+        if need > 0:  # lent layers, freed at once (a read ahead keeps its buffer)
+            streamer = self.lending.streamer
+            lent = sum(streamer.layer_bytes(i) for i in streamer.lent)
+            self.lending.settle(max(0, lent - need), grow=False)
+
+    def _lend(self, stats: WorkerStats, active: dict[int, Any], copies: int = 0) -> None:
+        if self.lending is None:
+            return
+        kv = max(stats.kv_cache_bytes, self.lending.batch_kv_bytes(self._ends(active)))
+        room = self.lending.room(kv + copies, self._queued(), prefill=False)
+        lent = self.lending.lent_bytes()
+        if room > lent:
+            # Never past what is really free: memory the plan did not foresee (the
+            # Python heap, the allocator's slack) is not the loan's to hand out.
+            room = min(room, lent + available_memory() - self.lending.keep_free)
+        self.lending.settle(room, grow=True)
+
     def after_step(self, stats: WorkerStats, active: dict[int, Any]) -> None:
         """Call after each decode step (`stats`: the worker's, updated for it; `active`:
         the batch's choices)."""
-        if self.lending is not None:
-            kv = max(stats.kv_cache_bytes, self.lending.batch_kv_bytes(self._ends(active)))
-            room = self.lending.room(kv, self._queued(), prefill=False)
-            lent = self.lending.lent_bytes()
-            if room > lent:
-                # Never past what is really free: memory the plan did not foresee (the
-                # Python heap, the allocator's slack) is not the loan's to hand out.
-                room = min(room, lent + available_memory() - self.lending.keep_free)
-            self.lending.settle(room, grow=True)
+        self._lend(stats, active)
         if stats.steps % MEMORY_CHECK_INTERVAL == 0 and self.streamer is not None:
             self.streamer.check_memory()
         if self._read_at is None:

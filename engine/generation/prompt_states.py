@@ -30,7 +30,9 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
 from flashserve.engine.generation.choices import Choice
+from flashserve.engine.generation.memory_guard import MemoryGuard
 from flashserve.engine.prompt_cache.cache import PromptCache
+from flashserve.engine.streaming.memory import kv_cache_nbytes
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +127,11 @@ def store_cancelled_prefill(
         )
 
 
-def store_answers(cache: PromptCache | None, answers: list[tuple[Choice, Any]]) -> None:
+def store_answers(
+    cache: PromptCache | None,
+    answers: list[tuple[Choice, Any]],
+    guard: MemoryGuard | None = None,
+) -> None:
     """Store the states after the prompts and their answers that ended in this step
     (a stop string's end brings none: `response.prompt_cache` is None).
 
@@ -136,7 +142,8 @@ def store_answers(cache: PromptCache | None, answers: list[tuple[Choice, Any]]) 
     holds the batch's lazy writes of the step after (mlx-lm starts that step
     before handing back the tokens; on the CPU a first token's step leaves it
     lazy, generation/fairness.py), which would otherwise run in the TTFT of the
-    prompt that reuses it.
+    prompt that reuses it. The copies take their bytes beside the batch's rows:
+    `guard` makes room for them first (memory_guard.py before_store).
     """
     kept = [
         (choice, response)
@@ -147,6 +154,8 @@ def store_answers(cache: PromptCache | None, answers: list[tuple[Choice, Any]]) 
     ]
     if not kept:
         return
+    if guard is not None:
+        guard.before_store(kv_cache_nbytes([response.prompt_cache for _, response in kept]))
     mx.eval([c.state for _, response in kept for c in response.prompt_cache])
     for choice, response in kept:
         tokens = list(response.all_tokens)

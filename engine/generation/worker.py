@@ -70,8 +70,7 @@ log = logging.getLogger(__name__)
 
 
 def _log_failure(what: str, exc: BaseException) -> None:
-    """A damaged or stalled weight file is a known fault: one line naming the file.
-    Anything else is a bug: its traceback."""
+    """A damaged or stalled weight file: one line naming it; anything else, a bug: its trace."""
     if isinstance(exc, WeightFileError):
         log.error("%s: %s", what, exc)
     else:
@@ -286,7 +285,8 @@ class Engine:
         ended = [e for e in [self._on_token(batch, active, r) for r in responses] if e]
         # Once every token of the step went out: the answers' states, then their ends
         # (a client's next turn comes after), then the prompts' own (prompt_states.py).
-        prompt_states.store_answers(self.prompt_cache, [(active[r.uid], r) for r, _ in ended])
+        answers = [(active[r.uid], r) for r, _ in ended]
+        prompt_states.store_answers(self.prompt_cache, answers, self.guard)
         for response, finish in ended:
             self._finish(active, response.uid, finish)
         prompt_states.store_prompt_ends(self.prompt_cache, ends)
@@ -334,6 +334,8 @@ class Engine:
             except Exception as exc:
                 _log_failure(f"request {start.handle.request.request_id} could not start", exc)
                 self._refuse(start.handle, exc)
+        if handles and self.guard is not None:  # every prompt in: the prefill's room back
+            self.guard.after_prefill(self.stats, active, starts)
         return running
 
     def _cancel_waiting(self, handle: RequestHandle) -> None:
@@ -380,9 +382,8 @@ class Engine:
         return make_request_processors(request.sampling, extra)
 
     def _prefill_layer_major(self, starts: list[Start]) -> None:
-        """Prefill the prompts together, layer-major, when weights come from disk: one
-        pass over the weights gives each its cache and first token (prefill/layer_major.py
-        says why and how); the batch decodes from the second on."""
+        """Prefill the prompts together, layer-major, when weights come from disk: one pass
+        gives each its cache and first token (prefill/layer_major.py); the batch the rest."""
         # A request that wants its prompt's logprobs is prefilled alone, which keeps them.
         starts = [s for s in starts if s.handle.request.prompt_logprobs is None]
         loaded = self.loaded
@@ -433,9 +434,8 @@ class Engine:
             start.prefilled_at = time.perf_counter()
 
     def _start(self, batch: BatchGenerator, start: Start, active: dict[int, Choice]) -> None:
-        """Put the request's choices into the batch. After a prefill outside the batch,
-        each choice samples its first token from the prompt's logits, on a copy of
-        the prompt's state."""
+        """Put the request's choices into the batch; after a prefill outside it, each choice
+        samples its first token from the prompt's logits, on a copy of the prompt's state."""
         assert self.loaded is not None
         request = start.handle.request
         self.stats.requests_total += 1

@@ -42,9 +42,11 @@ class KVPrice:
     bounded: tuple[tuple[int, int], ...] = ()  # (bytes per token, tokens kept at most)
 
     def bytes(self, tokens: int, chunk: int = 1) -> int:
-        """Bytes held with `tokens` in the context, prefilled `chunk` tokens at a time."""
+        """Bytes held with `tokens` in the context, prefilled `chunk` tokens at a time:
+        a layer that keeps every token grows by whole steps of KVCache.step tokens."""
         extra = max(chunk, 1) - 1
-        return tokens * self.unbounded + sum(
+        held = -(-tokens // KVCache.step) * KVCache.step
+        return held * self.unbounded + sum(
             per * min(tokens, most + extra) for per, most in self.bounded
         )
 

@@ -10,8 +10,8 @@ limit and sets aside everything serving needs before it keeps a layer:
 * room for the file-backed working set: the libraries' code (MLX, the BLAS,
   Python) pages in from disk, and a limit that leaves it no room makes every
   call re-read it (issue 54: 130 GB read in 4.5 minutes, no token). The
-  larger of what is mapped now (with a margin) and FILE_MIN, or the shed
-  floor and its headroom where those are larger;
+  larger of the part of what is mapped now that serving keeps touching and
+  FILE_MIN, or the shed floor and its headroom where those are larger;
 * the runtime: MLX's buffer pool and the Python heap's growth while serving;
 * the prefill's working memory: a chunk's activations (its attention scores
   against the whole planned context), the float copies the prompt matmuls
@@ -49,10 +49,10 @@ from dataclasses import dataclass
 from flashserve.engine.config import EngineConfig
 from flashserve.engine.streaming.memory import process_file_resident, system_memory
 from flashserve.engine.streaming.memplan import (
+    FLOOR_FRACTION,
     MemoryPlan,
     enforce,
     mlx_pool_bytes,
-    shed_floor_bytes,
 )
 from flashserve.engine.streaming.residency import MODES, PlanInputs, fmt_bytes
 from flashserve.engine.weights.model import ModelLoadError
@@ -68,10 +68,17 @@ MB = 1024 * 1024
 # The Python heap's growth while serving (request, tokenizer and HTTP objects):
 # measured 40 MB after a turn of the cap bench's MoE; a quarter again as margin.
 RUNTIME_BASE = 48 * MB
-# The libraries' code paged in while serving: 52-58 MB of file-backed resident
-# memory measured on the 1.2B dense model (MLX, MKL, Python, the server).
-FILE_MIN = 64 * MB
-FILE_MARGIN = 1.25  # on what is mapped at load: serving pages in more code
+# The libraries' code serving keeps paging in (MLX, MKL, Python, the server). On
+# the 1.2B dense model 46 MB of files are mapped at load and 52-58 MB after a turn
+# with room to spare, but much of it is touched once: under a cap that kept only
+# 24 MB free, from a cold page cache, it decoded with no major fault, holding 31-32
+# MB of mapped files, 22-24 MB of them charged to its group.
+FILE_MIN = 32 * MB
+FILE_HOT = 0.7  # of what is mapped at load: the part serving keeps touching
+# The shed floor under a small limit (memplan's FLOOR_FRACTION of it): not
+# memplan's MIN_FLOOR, which is an expert cache's margin. Below a dense plan's
+# floor the code's pages are squeezed; what is kept free (above) holds them.
+DENSE_MIN_FLOOR = 16 * MB
 MIN_CHUNK = 64  # prefill tokens per chunk: smaller costs more than it saves
 MIN_CONTEXT = 256  # tokens: less serves no useful request
 
@@ -188,9 +195,9 @@ def plan_dense(
         )
 
     reasons: list[str] = []
-    floor = shed_floor_bytes(limit, shed_floor)
+    floor = min(int(shed_floor), max(DENSE_MIN_FLOOR, int(limit * FLOOR_FRACTION)))
     headroom = floor // 2
-    files = max(FILE_MIN, int(file_bytes * FILE_MARGIN))
+    files = max(FILE_MIN, int(file_bytes * FILE_HOT))
     free = max(floor + headroom, files)
     reasons.append(
         f"kept free {fmt_bytes(free)}: the larger of the shed floor {fmt_bytes(floor)} + "

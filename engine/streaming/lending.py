@@ -60,15 +60,16 @@ class Lending:
         plan = getattr(streamer, "memory_plan", None)
         if streamer is None or getattr(plan, "context_tokens", None) is None:
             return None  # the dense plan's loan only
+        # The runtime's reserve too, but MLX's pool: what the Python heap does not use
+        # is free memory, which the worker's check of what is really available
+        # (memory_guard.py) lends no further than it goes. The pool's share stays for
+        # what a step allocates past the loan's last look (temporaries, a KV cache
+        # growing by a step, the freed buffers MLX keeps).
+        runtime = max(0, plan.runtime_reserve_bytes - plan.mlx_cache_limit_bytes)
         return cls(
             streamer,
-            # The runtime's reserve too: what of it the Python heap and MLX's pool do
-            # not use is free memory, which the worker's check of what is really
-            # available (memory_guard.py) lends no further than it goes.
-            lendable=plan.kv_reserve_bytes
-            + plan.prefill_reserve_bytes
-            + plan.runtime_reserve_bytes,
-            runtime_bytes=plan.runtime_reserve_bytes,
+            lendable=plan.kv_reserve_bytes + plan.prefill_reserve_bytes + runtime,
+            runtime_bytes=runtime,
             prefill_bytes=plan.prefill_reserve_bytes,
             kv_bytes_per_token=kv_bytes_per_token,
             planned_depth=int(plan.prefetch_depth or 0),
