@@ -101,3 +101,31 @@ def trim(always: bool = False) -> None:
     libc = _libc()
     if (_used or always) and libc is not None:
         libc.malloc_trim(0)
+
+
+HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14  # madvise's advice number (Linux)
+
+
+def huge_pages(address: int, size: int) -> bool:
+    """Ask Linux for 2 MB pages under the 2 MB-aligned part of [address, address +
+    size), memory not yet touched; False where there is no such advice.
+
+    A read around the page cache (O_DIRECT) goes to the device in requests of at
+    most as many pages as it takes segments (virtio: 254, ~1 MB in 4 KB pages), so
+    4 KB pages split each 4 MB chunk into several requests. Layer files read into
+    4 KB pages at 1.1-1.2 GB/s and into 2 MB pages at 1.8 GB/s, the same disk the
+    same minutes (8 threads of 4 MB reads; 4 threads of 8 or 16 MB alike).
+    Transparent huge pages set to `madvise` (a common default) give them only
+    where asked.
+    """
+    libc = _libc()
+    start = -(-address // HUGE_PAGE) * HUGE_PAGE
+    end = (address + size) // HUGE_PAGE * HUGE_PAGE
+    if libc is None or end <= start:
+        return False
+    length = ctypes.c_size_t(end - start)
+    try:
+        return libc.madvise(ctypes.c_void_p(start), length, _MADV_HUGEPAGE) == 0
+    except AttributeError:
+        return False

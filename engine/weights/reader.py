@@ -40,7 +40,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from flashserve.engine.compute import qmm
+from flashserve.engine.compute import heap, qmm
 from flashserve.engine.weights.checksum import crc32
 from flashserve.engine.weights.layout import ALIGN, PAD_PREFIX
 from flashserve.engine.weights.model import ModelLoadError
@@ -395,7 +395,10 @@ def allocate(size: int, unwritten: bool = False) -> tuple[mx.array, np.ndarray]:
         make = getattr(qmm.extension(), "uninitialized_bytes", None)
     buffer = make(size) if make is not None else mx.zeros((size,), dtype=mx.uint8)
     mx.eval(buffer)
-    return buffer, np.array(buffer, copy=False)
+    raw = np.array(buffer, copy=False)
+    if make is not None:  # untouched: the read faults its pages in, 2 MB ones if asked
+        heap.huge_pages(raw.ctypes.data, size)
+    return buffer, raw
 
 
 def chunk_pieces(
