@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import os
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-
-import numpy as np
 
 from flashserve.engine.compute import heap
 from flashserve.engine.weights.reader import DIRECT_ALIGN, open_direct
@@ -91,11 +91,13 @@ def random_read_speed(
 def _read_buffer(size: int) -> memoryview:
     """`size` bytes at a 2 MB boundary, asked for 2 MB pages as the layer buffers are
     (weights/reader.py allocate, compute/heap.py huge_pages): the disk's speed for
-    flashserve's own reads."""
-    raw = np.empty(size + heap.HUGE_PAGE, dtype=np.uint8)  # not touched yet
-    start = -raw.ctypes.data % heap.HUGE_PAGE
-    heap.huge_pages(raw.ctypes.data + start, size)
-    return memoryview(raw[start : start + size])
+    flashserve's own reads. A private map of its own (a shared one is shmem, which
+    transparent huge pages leave alone here): never touched before the reads."""
+    area = mmap.mmap(-1, size + heap.HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    address = ctypes.addressof(ctypes.c_char.from_buffer(area))
+    start = -address % heap.HUGE_PAGE
+    heap.huge_pages(address + start, size)
+    return memoryview(area)[start : start + size]
 
 
 def best_random_read_speed(
