@@ -21,7 +21,7 @@ class EngineConfig:
     memory_budget: int | None = None  # bytes; alternative to resident_layers
     residency: str = "all"  # all | fixed | auto
     residency_mode: str = "balanced"  # max_tps | balanced | max_context (auto only)
-    placement: str = "first_n"  # first_n | last_n | interleaved
+    placement: str = "auto"  # auto | first_n | last_n | interleaved
     prefetch_depth: int = 2  # 2: the read queue never drains between layers (bench io)
     shed_floor: int = 300 * 1024 * 1024  # bytes of available memory before shedding
     # MoE expert offload

@@ -99,7 +99,7 @@ class Settings(BaseSettings):
     resident_layers: int | None = Field(None, ge=0)
     memory_budget: int | None = Field(None, description="bytes, e.g. 3GB")
     residency_mode: Literal["max_tps", "balanced", "max_context"] = "balanced"
-    placement: Literal["first_n", "last_n", "interleaved"] = "first_n"
+    placement: Literal["auto", "first_n", "last_n", "interleaved"] = "auto"
     prefetch_depth: int = Field(2, ge=0, le=8)
     shed_floor: int = Field(300_000_000, description="available memory under which to shed")
 

@@ -27,16 +27,20 @@ from flashserve.engine.generation.memory_guard import MemoryGuard
 from flashserve.engine.generation.prefill.layer_major import LayerMajorPrefill, PrefillJob
 from flashserve.engine.generation.stats import WorkerStats
 from flashserve.engine.loader import load
+from flashserve.engine.streaming import denseplan
 from flashserve.engine.streaming.denseplan import (
     FILE_HOT,
     FILE_MIN,
     MIN_CONTEXT,
     DenseSettings,
     DenseShape,
+    apply_dense_plan,
     plan_dense,
 )
 from flashserve.engine.streaming.diskio import drop_page_cache
 from flashserve.engine.streaming.lending import Lending
+from flashserve.engine.streaming.memory import SystemMemory
+from flashserve.engine.streaming.residency import plan_residency
 from flashserve.engine.weights.model import ModelLoadError
 from tests.conftest import NO_EOS, stop_server
 from tests.streaming_fixtures import big_llama, prepared_model, source_model
@@ -130,6 +134,26 @@ def test_layers_that_do_not_all_fit_take_the_memory_tier_first() -> None:
     memory_only, kept = _plan(available=1100 * MB, disk_tier=False)
     assert kept.prompt_cache_bytes == 100 * MB and kept.prefix_states
     assert memory_only.resident_layers < plan.resident_layers
+
+
+@pytest.mark.parametrize(("placement", "spread"), [("auto", True), ("first_n", False)])
+def test_the_plan_spreads_its_resident_layers_unless_told_otherwise(
+    monkeypatch, placement: str, spread: bool
+) -> None:
+    """placement auto: interleaved under the dense plan, so each read ahead overlaps a
+    layer's compute or two, never a run of resident layers; a placement set is kept."""
+    monkeypatch.setattr(denseplan, "system_memory", lambda: SystemMemory(1100 * MB, 1000 * MB))
+    monkeypatch.setattr(denseplan, "process_file_resident", lambda: 40 * MB)
+    config = EngineConfig(residency="auto", placement=placement, prompt_cache_bytes=0)
+    plan = apply_dense_plan(config, _shape())
+    assert 0 < plan.resident_layers < 24
+    residency = plan_residency(config, layer_bytes=[30 * MB] * 24, non_layer_bytes=MB)
+    resident = residency.resident_layers
+    assert len(resident) == plan.resident_layers
+    runs = max(len(list(g)) for k, g in itertools.groupby(range(24), resident.__contains__) if k)
+    count = len(resident)  # spread: no run longer than the streamed layers leave room for
+    shortest = -(-count // (24 - count))
+    assert (config.placement, runs) == (("interleaved", shortest) if spread else ("first_n", count))
 
 
 def test_what_is_kept_free_is_the_code_serving_touches() -> None:
@@ -287,10 +311,12 @@ def test_a_dense_model_larger_than_its_cgroup_serves_within_a_plan_that_fits(
         assert nxt.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(prompt)
         assert answer is not None
         stop.set()
-        # The plan held: private memory never passed what it set aside for it (the
-        # file-backed part is the kernel's to keep), and the kernel killed nothing.
-        anon_plan = planned - plan["file_reserve_bytes"]
-        assert samples and max(samples) <= anon_plan, (max(samples), plan)
+        # The plan held: private memory never took the room it keeps free for the
+        # file-backed working set (the libraries' code: the kernel's to keep), and
+        # the kernel killed nothing. The loan lends the plan's reserves and what it
+        # left spare (less than a layer), never that room: its bound is the limit's.
+        anon_bound = CAP - plan["file_reserve_bytes"]
+        assert samples and max(samples) <= anon_bound, (max(samples), plan)
         assert server.process.poll() is None
         assert "oom_kill 0" in (group / "memory.oom_control").read_text()
         assert int((group / "memory.max_usage_in_bytes").read_text()) <= CAP
@@ -392,6 +418,25 @@ def test_lent_layers_keep_the_resident_tokens_and_go_back_when_called(tmp_path_f
     assert streamer.lent == [] and streamer.resident_layers == []
     tokens, _, _ = greedy(loaded.model, PROMPT)
     assert tokens == ref_tokens
+
+
+def test_lent_layers_are_spread_between_streamed_ones(tmp_path_factory) -> None:
+    """The loan keeps first the layers that run after a streamed one: with room for two
+    of four streamed layers, 1 and 3, not 0 and 1 (a read ahead would wait out their
+    run); with room left and no such layer, whichever runs next."""
+    loaded, ref_tokens, _ = streamed_llama(tmp_path_factory)
+    streamer = loaded.streamer
+    size = streamer.layer_bytes(0)
+    lending = Lending(
+        streamer, 10 * size, 4 * size, kv_bytes_per_token=0, planned_depth=1, max_depth=1
+    )
+    lending.settle(2 * size + size // 2, grow=True)
+    tokens, _, _ = greedy(loaded.model, PROMPT)
+    assert tokens == ref_tokens
+    assert sorted(streamer.lent) == [1, 3] and streamer.streamed_layers == [0, 2]
+    lending.settle(3 * size + size // 2, grow=True)
+    assert greedy(loaded.model, PROMPT)[0] == ref_tokens
+    assert sorted(streamer.lent) == [0, 1, 3]
 
 
 @pytest.mark.parametrize("times", [1, 3])

@@ -32,7 +32,9 @@ from flashserve.engine.weights.model import ModelLoadError
 
 log = logging.getLogger(__name__)
 
-PLACEMENTS = ("first_n", "last_n", "interleaved")
+# "auto": interleaved under the dense memory plan (denseplan.py apply_dense_plan),
+# first_n elsewhere.
+PLACEMENTS = ("auto", "first_n", "last_n", "interleaved")
 MODES = {"max_tps": 512, "balanced": 1024, "max_context": None}  # KV reserve tokens
 SAFETY = 0.9  # the paper's factor on the layer count
 SHED_FRACTION = 0.25
@@ -118,7 +120,7 @@ def _ranges(indices: list[int]) -> str:
 def place(count: int, num_layers: int, placement: str) -> list[int]:
     """Indices of `count` resident layers out of `num_layers`."""
     count = max(0, min(count, num_layers))
-    if placement == "first_n":
+    if placement in ("first_n", "auto"):
         return list(range(count))
     if placement == "last_n":
         return list(range(num_layers - count, num_layers))

@@ -478,9 +478,13 @@ class LayerStreamer:
 
     def _keep_on_loan(self, info: LayerInfo) -> bool:
         """Keep a layer that has just run resident, its weights where they were read,
-        while the loan has room for it: no read of its own."""
-        nbytes = self.layer_bytes(info.index)
+        while the loan has room for it: no read of its own. First those after a
+        streamed layer, so streamed layers stay spread: a read ahead overlaps a
+        layer's compute or two, not a run of them (the disk would wait)."""
+        nbytes, streamed = self.layer_bytes(info.index), set(self._streamed)
         if self.lend_room < nbytes or self._running.get(info.index) is None:
+            return False
+        if info.index - 1 not in streamed and any(i - 1 in streamed for i in streamed):
             return False
         self._running.pop(info.index)
         info.module.__class__ = type(info.module)._fs_base
