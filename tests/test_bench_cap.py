@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from flashserve.engine.bench.cap.runs import CapRun, Turn, _measured
 from flashserve.engine.bench.cap.section import prepared_bytes
 from tests.conftest import _clean_env
 from tests.test_bench import REPO, _number, _tables
@@ -101,3 +102,18 @@ def test_quick_dense_cap_section_runs_uncapped_and_capped_and_prints_its_targets
 def _model_mb(work_dir: Path) -> float:
     manifest = work_dir / "cap-dense-quick" / "prepared" / "manifest.json"
     return prepared_bytes(json.loads(manifest.read_text())) / 1e6  # what the caps are of
+
+
+def test_the_io_bound_divides_by_the_faster_of_the_disk_measurements() -> None:
+    """The disk measured beside a decode may be slowed by the server's own work (its
+    start, a prompt state written to the disk tier): the I/O bound then divides by the
+    speed measured before the server started, never by a slower one."""
+    turn = Turn(ttft=1.0, seconds=4.0, tokens=5, text="", read_bytes=4 * 10**9, cached=None,
+                prompt_tokens=8)  # fmt: skip
+    slowed = CapRun(server="s", round=1, oom=False, disk_bytes_per_s=4e9)
+    _measured(slowed, turn, 2e9, 3e9)
+    assert slowed.decode_disk_bytes_per_s == 2.5e9  # the mean beside the decode, as shown
+    assert slowed.io_bound_tps == 4.0  # 4 GB/s over 1 GB a token
+    quiet = CapRun(server="s", round=1, oom=False, disk_bytes_per_s=2e9)
+    _measured(quiet, turn, 3e9, 3e9)
+    assert quiet.io_bound_tps == 3.0

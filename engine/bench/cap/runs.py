@@ -297,7 +297,10 @@ def one_run(
 
 def _measured(run: CapRun, turn: Turn, before: float | None, after: float) -> None:
     """The decode the I/O bound is read from: its rate, bytes per token, and the disk's
-    speed as the mean of the measurements just before and just after it."""
+    speed as the mean of the measurements just before and just after it. The bound
+    divides by the larger of that and the speed measured before the server started:
+    a server's own work beside its decode (its start, a prompt state written to the
+    disk tier after the answer) slows those measurements in its favour."""
     log.info(
         "disk beside the decode: %.2f GB/s before, %.2f after", (before or 0) / 1e9, after / 1e9
     )
@@ -305,7 +308,8 @@ def _measured(run: CapRun, turn: Turn, before: float | None, after: float) -> No
     run.decode_tps = tps(turn)
     run.read_bytes_per_token = turn.read_bytes / max(turn.tokens - 1, 1)
     if run.read_bytes_per_token >= 1 << 20:  # else the weights do not come from disk
-        run.io_bound_tps = run.decode_disk_bytes_per_s / run.read_bytes_per_token
+        disk = max(run.decode_disk_bytes_per_s, run.disk_bytes_per_s)
+        run.io_bound_tps = disk / run.read_bytes_per_token
 
 
 def expert_counts(client: httpx.Client) -> tuple[int, int]:
