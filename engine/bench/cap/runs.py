@@ -52,6 +52,9 @@ class CapRun:
     decode_tps: float | None = None  # the measured decode (an MoE's free decode)
     read_bytes_per_token: float | None = None
     disk_bytes_per_s: float = 0.0  # before the server starts
+    # The decode's measurement (around the page cache) taken just before the server
+    # starts: what the disk gives while no server uses it.
+    quiet_disk_bytes_per_s: float = 0.0
     decode_disk_bytes_per_s: float | None = None  # just before and after that decode
     io_bound_tps: float | None = None
     hit_rate: float | None = None  # an MoE's free decode's
@@ -192,6 +195,7 @@ def one_run(
     measured decode (module doc)."""
     run = CapRun(server=spec.label, round=rnd, oom=False, cap_bytes=cap)
     run.disk_bytes_per_s = speed
+    run.quiet_disk_bytes_per_s = disk_now()
     drop_page_cache(spec.model)
     # The label whole: two flashserve runs (bench/cap/section.py) need two folders.
     tag = f"{re.sub(r'[^A-Za-z0-9]+', '-', spec.label).strip('-')}-{rnd}-{cap or 0}"
@@ -298,9 +302,9 @@ def one_run(
 def _measured(run: CapRun, turn: Turn, before: float | None, after: float) -> None:
     """The decode the I/O bound is read from: its rate, bytes per token, and the disk's
     speed as the mean of the measurements just before and just after it. The bound
-    divides by the larger of that and the speed measured before the server started:
-    a server's own work beside its decode (its start, a prompt state written to the
-    disk tier after the answer) slows those measurements in its favour."""
+    divides by the larger of that and the same measurement taken just before the
+    server started: a server's own work beside its decode (its start, a prompt
+    state written to the disk tier after the answer) slows those in its favour."""
     log.info(
         "disk beside the decode: %.2f GB/s before, %.2f after", (before or 0) / 1e9, after / 1e9
     )
@@ -308,7 +312,7 @@ def _measured(run: CapRun, turn: Turn, before: float | None, after: float) -> No
     run.decode_tps = tps(turn)
     run.read_bytes_per_token = turn.read_bytes / max(turn.tokens - 1, 1)
     if run.read_bytes_per_token >= 1 << 20:  # else the weights do not come from disk
-        disk = max(run.decode_disk_bytes_per_s, run.disk_bytes_per_s)
+        disk = max(run.decode_disk_bytes_per_s, run.quiet_disk_bytes_per_s)
         run.io_bound_tps = disk / run.read_bytes_per_token
 
 
