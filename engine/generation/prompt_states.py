@@ -154,7 +154,7 @@ def store_answers(
     ]
     if not kept:
         return
-    if guard is not None:
+    if guard is not None and guard.lending is not None:  # only a loan needs the bytes
         guard.before_store(kv_cache_nbytes([response.prompt_cache for _, response in kept]))
     mx.eval([c.state for _, response in kept for c in response.prompt_cache])
     for choice, response in kept:

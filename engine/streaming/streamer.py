@@ -481,9 +481,10 @@ class LayerStreamer:
         while the loan has room for it: no read of its own. First those after a
         streamed layer, so streamed layers stay spread: a read ahead overlaps a
         layer's compute or two, not a run of them (the disk would wait)."""
-        nbytes, streamed = self.layer_bytes(info.index), set(self._streamed)
+        nbytes = self.layer_bytes(info.index)
         if self.lend_room < nbytes or self._running.get(info.index) is None:
             return False
+        streamed = set(self._streamed)  # past the room check: a full loan's steps skip it
         if info.index - 1 not in streamed and any(i - 1 in streamed for i in streamed):
             return False
         self._running.pop(info.index)
