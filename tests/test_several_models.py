@@ -113,8 +113,11 @@ def test_models_load_on_demand_and_serve_side_by_side(models_dir: Path, tmp_path
         # Both at once, twice each, on their own workers: the same tokens.
         results: dict[str, list[tuple[str, float, float]]] = {m: [] for m in alone}
 
+        ready = threading.Barrier(4)  # all four sent together, not as each thread starts
+
         def run(model: str) -> None:
             client = server.http(timeout=300)
+            ready.wait()
             start = time.monotonic()
             text = _text(_complete(client, model, 48))
             results[model].append((text, start, time.monotonic()))
