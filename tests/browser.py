@@ -56,7 +56,7 @@ class Browser:
     """One headless Chromium with one page; `events` collects what the page reported."""
 
     def __init__(self, executable: str, width: int = 1400, height: int = 1900) -> None:
-        self._profile = tempfile.TemporaryDirectory(prefix="fs-chromium-")
+        self._profile = Path(tempfile.mkdtemp(prefix="fs-chromium-"))
         self.process = subprocess.Popen(
             [
                 executable,
@@ -67,13 +67,16 @@ class Browser:
                 "--no-default-browser-check",
                 "--disable-extensions",
                 "--remote-debugging-port=0",
-                f"--user-data-dir={self._profile.name}",
+                f"--user-data-dir={self._profile}",
                 f"--window-size={width},{height}",
                 "about:blank",
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
+            # Its own process group, so close() can end the helpers (crashpad, utility
+            # processes) that outlive the browser and keep writing into the profile.
+            start_new_session=True,
         )
         self.events: list[dict[str, Any]] = []
         self._id = 0
@@ -199,7 +202,34 @@ class Browser:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait(timeout=5)
-        self._profile.cleanup()
+        _end_group(self.process.pid)
+        _remove_profile(self._profile)
+
+
+def _end_group(pgid: int) -> None:
+    """Kill what is left of the browser's process group and wait until none of it runs."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, 9)
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return
+        time.sleep(0.05)
+
+
+def _remove_profile(path: Path) -> None:
+    """Remove the profile, retrying: a helper dying a moment late can still add a file to it."""
+    for _ in range(20):
+        try:
+            shutil.rmtree(path)
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            time.sleep(0.1)
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def _drain(process: subprocess.Popen) -> None:

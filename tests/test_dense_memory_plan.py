@@ -439,24 +439,34 @@ def test_lent_layers_are_spread_between_streamed_ones(tmp_path_factory) -> None:
     assert sorted(streamer.lent) == [0, 1, 3]
 
 
-@pytest.mark.parametrize("times", [1, 3])
-def test_reads_past_the_plan_are_logged_and_shed(tmp_path_factory, monkeypatch, caplog, times):
+@pytest.mark.parametrize(("times", "from_cache"), [(1, False), (3, False), (3, True)])
+def test_reads_past_the_plan_are_logged_and_shed(
+    tmp_path_factory, monkeypatch, caplog, times, from_cache
+):
     """A process re-reading its code and weights (memory taken by something the plan did
-    not foresee) sees more than the model read per step: past twice, it says so and
-    sheds, whatever available memory says; at the plan's rate, nothing happens."""
+    not foresee) sees more than the model read per step: past twice, and past the slack
+    a window's one-time reads get, it says so and sheds, whatever available memory says.
+    At the plan's rate plus the slack (a small model's first steps after the page cache
+    was dropped: its runtime paged in), or where the prompt cache's disk tier read the
+    excess (restoring a state), nothing happens."""
     prepared = prepared_model(tmp_path_factory, "llama")
     loaded = load(EngineConfig(model=str(prepared), resident_layers=2))
     model = sum(f.stat().st_size for f in prepared.rglob("*") if f.is_file())
-    # /proc/self/io is read once a window: each read finds `times` the model per step.
-    reads = itertools.count(0, times * model * memory_guard.WINDOW)
+    # /proc/self/io is read once a window: each read finds `times` the model per step,
+    # and the slack besides.
+    window = times * model * memory_guard.WINDOW + memory_guard.READ_SLACK
+    reads = itertools.count(0, window)
     monkeypatch.setattr(memory_guard, "process_read_bytes", lambda: next(reads))
-    guard = MemoryGuard(loaded, kv_budget=None)
+    disk = SimpleNamespace(stats=SimpleNamespace(bytes_read=0), queued_bytes=lambda: 0)
+    guard = MemoryGuard(loaded, kv_budget=None, prompt_cache=SimpleNamespace(disk=disk))
     stats = WorkerStats()
     for step in range(1, 2 * memory_guard.WINDOW + 1):
         stats.steps = step
+        if from_cache and step % memory_guard.WINDOW == 0:
+            disk.stats.bytes_read += (times - 1) * model * memory_guard.WINDOW
         guard.after_step(stats, {})
     events = loaded.streamer.residency.events
-    if times == 1:
+    if times == 1 or from_cache:
         assert events == [] and len(loaded.streamer.resident_layers) == 2
         return
     assert [e.note for e in events] == ["reads past the plan"] * 2

@@ -18,7 +18,8 @@
   re-reading its own code and weights from disk (issue 54: 130 GB read in 4.5
   minutes, no token). Every WINDOW decode steps the bytes this process read
   from storage (/proc/self/io, page faults on its files included) are compared
-  with the model's bytes: past AMPLIFICATION times the model per step, it says
+  with the model's bytes: past AMPLIFICATION times the model per step (and
+  READ_SLACK a window; the prompt cache's own disk reads not counted), it says
   so and sheds (the pressure hooks, then resident layers) instead of going on.
 """
 
@@ -41,6 +42,11 @@ WINDOW = 8  # decode steps per read check
 # A step reads at most the model once (every layer streamed); a step that reads
 # twice the model re-reads what the plan meant to keep.
 AMPLIFICATION = 2.0
+# What a window may read besides, without a thrash: the process's code and files
+# paged in once (after the page cache is dropped, a small model's first steps
+# fault in more of the runtime's libraries than twice the model), and the files
+# the HTTP threads serve. A thrash reads the model over and over, far past this.
+READ_SLACK = 64 * 2**20
 
 
 def kv_tokens(request: GenerationRequest) -> int:
@@ -93,6 +99,7 @@ class MemoryGuard:
         self.prefill_choice: tuple[int, bool] | None = None  # for the next prefill
         self._steps = 0
         self._read_at: int | None = process_read_bytes() if self.model_bytes else None
+        self._cache_read_at = self._cache_read()
 
     @classmethod
     def for_loaded(cls, loaded: Any, prompt_cache: Any = None, prefill: Any = None) -> MemoryGuard:
@@ -107,6 +114,11 @@ class MemoryGuard:
     def take_prefill_choice(self) -> tuple[int, bool] | None:
         choice, self.prefill_choice = self.prefill_choice, None
         return choice
+
+    def _cache_read(self) -> int:
+        """Bytes the prompt cache's disk tier has read: restoring a state is no thrash."""
+        disk = getattr(self.prompt_cache, "disk", None)
+        return int(disk.stats.bytes_read) if disk is not None else 0
 
     def _queued(self) -> int:
         disk = getattr(self.prompt_cache, "disk", None)
@@ -193,15 +205,19 @@ class MemoryGuard:
         if now is None:
             self._read_at = None
             return
-        per_step = (now - self._read_at) / self._steps
-        self._read_at, self._steps = now, 0
-        if per_step > AMPLIFICATION * self.model_bytes:
-            log.warning(
-                "reading %s from disk per decode step, %.1fx the model's %s: memory is "
-                "overcommitted (the plan's room taken by something else); shedding",
-                fmt_bytes(per_step),
-                per_step / self.model_bytes,
-                fmt_bytes(self.model_bytes),
-            )
-            if self.streamer is not None and self.streamer.residency is not None:
-                self.streamer.residency.shed(per_step)
+        cache_read = self._cache_read()
+        read = now - self._read_at - (cache_read - self._cache_read_at)
+        steps = self._steps
+        self._read_at, self._cache_read_at, self._steps = now, cache_read, 0
+        if read <= AMPLIFICATION * self.model_bytes * steps + READ_SLACK:
+            return
+        per_step = read / steps
+        log.warning(
+            "reading %s from disk per decode step, %.1fx the model's %s: memory is "
+            "overcommitted (the plan's room taken by something else); shedding",
+            fmt_bytes(per_step),
+            per_step / self.model_bytes,
+            fmt_bytes(self.model_bytes),
+        )
+        if self.streamer is not None and self.streamer.residency is not None:
+            self.streamer.residency.shed(per_step)
