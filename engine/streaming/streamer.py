@@ -38,6 +38,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -190,6 +191,7 @@ class LayerStreamer:
     _streamed: list[int] = field(default_factory=list)  # in execution order
     _pending: dict[int, _Pending] = field(default_factory=dict)
     _running: dict[int, _Pending] = field(default_factory=dict)  # installed streamed layers
+    _last_read: Future | None = None  # the end of the streamed read queued last
     _free: dict[int, list[tuple[mx.array, np.ndarray]]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _held: int | None = None  # the layer `holding` keeps installed
@@ -311,20 +313,24 @@ class LayerStreamer:
         base = direct_base(raw) if direct else 0
         end = base + (-(-size // DIRECT_ALIGN) * DIRECT_ALIGN if direct else size)
         pieces = chunk_pieces(raw[base:end], info.crc32, self.chunk_bytes, size)
-        dense = _Read(self._read(info.file, size, pieces, direct), buffer, raw, base)
+        # A streamed layer's reads start as the last one queued ends (FileRead `after`).
+        after = None if fresh else self._last_read
+        job = self._read(info.file, size, pieces, direct=direct, after=after)
+        dense = _Read(job, buffer, raw, base)
         experts = None
         nbytes = info.dense_bytes - info.left_out_bytes  # what is read
         if info.switches and self.experts_with_layers:
-            experts = self._load_experts(info, fresh)
+            experts = self._load_experts(info, fresh, after)
             nbytes += info.expert_bytes
+        last = (experts or dense).job
+        if not fresh:  # one that keeps the pool busy alone: small ones may overlap
+            self._last_read = last.future if last.tasks >= self.pool.threads - 1 else None
         return _Pending(info.index, dense, experts, nbytes)
 
-    def _read(self, path: Path, size: int, pieces: list[Piece], direct: bool = False) -> FileRead:
-        return FileRead(
-            path, size, pieces, self.pool, drop_page_cache=self.drop_page_cache, direct=direct
-        )
+    def _read(self, path: Path, size: int, pieces: list[Piece], **kw: Any) -> FileRead:
+        return FileRead(path, size, pieces, self.pool, drop_page_cache=self.drop_page_cache, **kw)
 
-    def _load_experts(self, info: LayerInfo, fresh: bool) -> _Read:
+    def _load_experts(self, info: LayerInfo, fresh: bool, after: Any = None) -> _Read:
         """One preadv per expert record, scattered into the stacked tensors' regions."""
         assert info.experts_file is not None
         regions = expert_regions(info.switches)
@@ -345,7 +351,7 @@ class LayerStreamer:
                     if gap:  # the record's alignment padding: read (and checked), not kept
                         targets.append(memoryview(bytearray(gap)))
                 pieces.append(Piece(int(offset), targets, None if crcs is None else crcs[e]))
-        job = self._read(info.experts_file, info.experts_file_bytes, pieces)
+        job = self._read(info.experts_file, info.experts_file_bytes, pieces, after=after)
         return _Read(job, buffer, raw)
 
     def _weights(self, info: LayerInfo, pending: _Pending) -> dict[str, mx.array]:
