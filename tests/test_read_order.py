@@ -36,7 +36,7 @@ def _gate() -> Future:
     return gate
 
 
-@pytest.mark.parametrize("ends", ["with a result", "with an error"])
+@pytest.mark.parametrize("ends", ["with a result", "with an error", "never"])
 def test_a_read_after_another_reads_nothing_until_that_one_ends(tmp_path, ends) -> None:
     data = np.random.default_rng(0).integers(0, 256, 3 * CHUNK + 123, dtype=np.uint8)
     path = tmp_path / "layer.bin"
@@ -53,8 +53,9 @@ def test_a_read_after_another_reads_nothing_until_that_one_ends(tmp_path, ends) 
         assert not raw.any()
         if ends == "with a result":
             gate.set_result(None)
-        else:  # the earlier read failed: its own waiter says so; this one goes on
+        elif ends == "with an error":  # the earlier read's own waiter says so
             gate.set_exception(OSError("the earlier read failed"))
+        # "never": a stalled earlier read, given up; the waiter starts this one
         read.wait(10)
         assert np.array_equal(raw, data)
     finally:

@@ -264,7 +264,9 @@ class FileRead:
     serve them first come first served: the layer wanted first could end with
     the next one (measured: a streamed layer's 4 MB chunk 17 ms instead of 9,
     then the disk idle while both layers computed). Started as the earlier one
-    ends, nothing is left to open or check: the disk goes on at once.
+    ends, nothing is left to open or check: the disk goes on at once. A waiter
+    starts it whatever the earlier one does (that one was given up: failed,
+    stalled or dropped).
     """
 
     def __init__(
@@ -291,6 +293,8 @@ class FileRead:
         self._lock = threading.Lock()
         self._progress = time.monotonic()
         self._fd = -1
+        self._submitted = False  # the pieces are on the pool
+        self._waited = False  # a waiter came: the earlier read is not waited for
         self._tasks: list[list[Piece]] = []
         for piece in pieces:
             if self._tasks and sum(p.nbytes for p in self._tasks[-1]) < task_bytes:
@@ -334,20 +338,26 @@ class FileRead:
             os.close(fd)
             self._fail(exc if isinstance(exc, WeightFileError) else WeightFileError(str(exc)))
             return
-        self._fd = fd
         if not self._tasks:
+            self._fd = fd
             self._finish_task()
             return
         after, self._after = self._after, None  # not kept: it holds the read before
-        if after is not None and not after.done():
+        with self._lock:
+            self._fd = fd
+            hold = after is not None and not after.done() and not self._waited
+        if hold:
             after.add_done_callback(self._submit)
-            return
-        for task in self._tasks[1:]:
-            self._pool.submit(self._run, task)
-        self._run(self._tasks[0])
+        else:
+            self._submit()
 
-    def _submit(self, _: Future) -> None:
-        """The earlier read ended (however it ended): this one's pieces go on the pool."""
+    def _submit(self, _: Any = None) -> None:
+        """The earlier read ended (however it ended), or a waiter came first (that one
+        was given up): this one's pieces go on the pool, once, where the file is open."""
+        with self._lock:
+            if self._submitted or self._fd < 0:
+                return
+            self._submitted = True
         self._progress = time.monotonic()
         for task in self._tasks:
             self._pool.submit(self._run, task)
@@ -401,6 +411,9 @@ class FileRead:
         Fails when no piece has finished for `timeout` seconds: a stall, not a
         slow file (a large file on slow storage keeps making progress).
         """
+        with self._lock:
+            self._waited = True
+        self._submit()
         while True:
             left = self._progress + timeout - time.monotonic()
             if left <= 0 and not self.future.done():
