@@ -302,7 +302,6 @@ class FileRead:
             else:
                 self._tasks.append([piece])
         self._left = len(self._tasks)
-        self.tasks = len(self._tasks)  # reads that can run at once
         self.future.set_running_or_notify_cancel()
         since = pool.stalled_since(self.path)
         if since is not None:
@@ -314,6 +313,11 @@ class FileRead:
             )
             return
         pool.submit(self._start)
+
+    @property
+    def tasks(self) -> int:
+        """Reads of this file that can run at once."""
+        return len(self._tasks)
 
     def _start(self) -> None:
         self._progress = time.monotonic()
